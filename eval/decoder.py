@@ -1,0 +1,149 @@
+"""The one speculative decoder: every drafter (none = plain AR) runs through `decode`.
+
+Each step is ONE target forward over [context..., draft nodes..., extra nodes...] with a 4D
+tree mask and explicit position ids on a KV cache; the context is the whole prompt at the
+first step (prefill) and the last accepted token (the root) after that. Acceptance is greedy
+or speculative sampling (`mtpkit.eval.verify`); the cache is then rolled back to the accepted
+path. The LM head runs only on the rows that acceptance and the drafter actually read.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from mtpkit.eval.generate import target_probs
+from mtpkit.eval.verify import attention_inputs, children_of, verify_greedy, verify_sampling
+from mtpkit.models.drafter import Drafter, StepOutput
+
+
+class Target:
+    """The target model split into body (hidden states) and LM head, so logits are lazy."""
+
+    def __init__(self, model):
+        self.model = model
+        self.body = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.embed = model.get_input_embeddings()
+        self.config = model.config
+        self.dtype = self.embed.weight.dtype
+        with torch.no_grad():  # refuse models whose logits are more than lm_head(hidden)
+            ids = torch.tensor([[1, 2, 3]], device=self.embed.weight.device)
+            split = self.lm_head(self.body(input_ids=ids).last_hidden_state)
+            if not torch.equal(split, model(input_ids=ids).logits):
+                raise ValueError(f"{type(model).__name__}: logits are not lm_head(last hidden state) "
+                                 "(softcapping or scaling?); the decoder cannot compute them lazily")
+
+    @property
+    def device(self):
+        return self.embed.weight.device
+
+
+@dataclass
+class DecodeResult:
+    """Tokens generated for one prompt and the statistics of the run."""
+    tokens: list[int]
+    target_calls: int = 0
+    accept_counts: list[int] = field(default_factory=list)  # [d]: steps whose depth-(d+1) draft was accepted
+    draft_nodes: int = 0          # draft tokens proposed in total
+    forward_tokens: int = 0       # input positions fed to the target in total (block complexity)
+    seconds: float = 0.0
+    target_seconds: float = 0.0   # time inside the target (body forwards + LM head rows); the rest
+                                  # is decoder bookkeeping and drafting
+
+    @property
+    def tau(self) -> float:
+        return len(self.tokens) / max(self.target_calls, 1)
+
+
+def rollback_cache(cache: DynamicCache, keep: int, accepted: torch.Tensor) -> None:
+    """Keep cache positions [0, keep) and the accepted positions `accepted` (absolute, >= keep),
+    moved to keep, keep+1, ...; everything else (rejected nodes, extra nodes) is dropped."""
+    for layer in cache.layers:
+        if accepted.numel():
+            layer.keys = torch.cat([layer.keys[..., :keep, :], layer.keys[..., accepted, :]], dim=-2)
+            layer.values = torch.cat([layer.values[..., :keep, :], layer.values[..., accepted, :]], dim=-2)
+        else:
+            layer.keys = layer.keys[..., :keep, :]
+            layer.values = layer.values[..., :keep, :]
+
+
+@torch.no_grad()
+def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int,
+           temperature: float = 0.0, top_p: float = 1.0, eos_token_ids=(),
+           generator: torch.Generator | None = None) -> DecodeResult:
+    """Generate up to `max_new_tokens` tokens after `prompt_ids` with `drafter` proposing."""
+    started = time.perf_counter()
+    eos = set(eos_token_ids)
+    cache = DynamicCache(config=target.config)
+    drafter.begin(target, prompt_ids)
+    tokens = list(prompt_ids)
+    context = list(prompt_ids)  # fed as a causal chain; its last token is the root
+    cache_len = 0
+    result = DecodeResult(tokens=[])
+    while len(result.tokens) < max_new_tokens:
+        draft = drafter.propose(tokens)
+        c, N, M = len(context), draft.num_nodes, draft.num_extras
+        root = c - 1
+        # parents over the whole forward: a chain for the context, then drafts and extras
+        # whose indices (0 = root) are shifted to sit after the context
+        parents = list(range(-1, c - 1)) + (draft.parents + root).tolist()
+        if M:
+            parents += (draft.extra_parents + root).tolist()
+        ids = torch.tensor(context + draft.tokens.tolist(), device=target.device)
+        embeds = target.embed(ids)[None]  # [1, c+N, d]
+        if M:
+            embeds = torch.cat([embeds, draft.extra_embeds.to(embeds)[None]], dim=1)
+        mask, position_ids = attention_inputs(tuple(parents), cache_len, target.dtype, target.device)
+
+        t0 = time.perf_counter()
+        hidden = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
+                             past_key_values=cache, use_cache=True).last_hidden_state[0, root:]  # [1+N+M, d]
+        result.target_seconds += time.perf_counter() - t0
+        result.target_calls += 1
+        result.draft_nodes += N
+        result.forward_tokens += c + N + M
+
+        computed: dict[int, torch.Tensor] = {}
+
+        def logits(rows: list[int]) -> torch.Tensor:  # step rows (0 = root) -> [len(rows), V]
+            missing = [r for r in rows if r not in computed]
+            if missing:
+                t1 = time.perf_counter()
+                for r, row in zip(missing, target.lm_head(hidden[missing]).float()):
+                    computed[r] = row
+                result.target_seconds += time.perf_counter() - t1
+            return torch.stack([computed[r] for r in rows])
+
+        step_tokens = [context[-1]] + draft.tokens.tolist()
+        children = children_of(draft.parents, 1 + N)
+        if temperature <= 0:
+            accepted, last, bonus = verify_greedy(lambda n: logits([n])[0], children, step_tokens)
+        else:
+            accepted, last, bonus = verify_sampling(
+                lambda n: target_probs(logits([n]), temperature, top_p)[0], children, step_tokens,
+                draft.draft_probs, generator)
+
+        keep = cache_len + c
+        rollback_cache(cache, keep, torch.tensor(accepted, dtype=torch.long) + keep - 1)
+        cache_len = keep + len(accepted)
+        new = [step_tokens[a] for a in accepted] + [bonus]
+        for depth in range(len(accepted)):
+            if depth == len(result.accept_counts):
+                result.accept_counts.append(0)
+            result.accept_counts[depth] += 1
+        drafter.observe(StepOutput(accepted=accepted, last_node=last, new_tokens=new, hidden=hidden,
+                                   logits=logits))
+        tokens += new
+        result.tokens += new
+        context = [bonus]
+        hit = next((i for i, t in enumerate(new) if t in eos), None)
+        if hit is not None:
+            result.tokens = result.tokens[: len(result.tokens) - len(new) + hit + 1]
+            break
+    result.tokens = result.tokens[:max_new_tokens]
+    result.seconds = time.perf_counter() - started
+    return result

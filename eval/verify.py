@@ -1,0 +1,104 @@
+"""Tree attention layout and acceptance rules of the verifier (pure functions).
+
+Greedy: accept the longest draft path whose tokens equal the target's argmax, plus the bonus
+token (the target's own choice after the last accepted node).
+Sampling: recursive rejection sampling over the children of each node (SpecInfer, Miao et al.
+2024; for a single chain it is Leviathan et al. 2023): child x drawn from q is accepted with
+probability min(1, p(x) / q(x)); on rejection p <- normalise(max(p - q, 0)) and the next
+sibling is tried; when every child is rejected the bonus is drawn from the residual p. A
+deterministic candidate (top-k, n-gram) has q = one-hot(x). The output is distributed exactly
+as the target's.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
+
+import torch
+
+
+@lru_cache(maxsize=512)
+def tree_layout(parents: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ancestor-or-self mask [Q, Q] (bool) and depth [Q] for nodes with `parents` (-1 = none).
+
+    Cached by structure, so a static tree (same shape every step) builds its mask once; each
+    step only shifts the positions by the cache length and prepends all-visible cache columns.
+    """
+    Q = len(parents)
+    allowed = torch.zeros(Q, Q, dtype=torch.bool)
+    depth = torch.zeros(Q, dtype=torch.long)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            if p >= i:
+                raise ValueError(f"node {i} has parent {p}: parents must come before children")
+            allowed[i] = allowed[p]
+            depth[i] = depth[p] + 1
+        allowed[i, i] = True
+    return allowed, depth
+
+
+def attention_inputs(parents: tuple[int, ...], cache_len: int, dtype: torch.dtype, device=None):
+    """4D additive mask [1, 1, Q, cache_len + Q] and position ids [1, Q] for one forward."""
+    allowed, depth = tree_layout(parents)
+    Q = len(parents)
+    mask = torch.full((Q, cache_len + Q), torch.finfo(dtype).min, dtype=dtype, device=device)
+    mask[:, :cache_len] = 0.0  # every node sees the whole accepted past
+    mask[:, cache_len:].masked_fill_(allowed.to(device), 0.0)
+    return mask[None, None], (depth + cache_len)[None].to(device)
+
+
+def children_of(parents: torch.Tensor, num_nodes: int) -> list[list[int]]:
+    """children[i] for step nodes 0..num_nodes-1 (root + drafts) from the draft parents."""
+    children = [[] for _ in range(num_nodes)]
+    for j, p in enumerate(parents.tolist(), start=1):
+        children[p].append(j)
+    return children
+
+
+def verify_greedy(logits: Callable[[int], torch.Tensor], children: list[list[int]],
+                  tokens: list[int]) -> tuple[list[int], int, int]:
+    """Walk from the root while a child holds the target's argmax.
+
+    logits(node) -> [V]; tokens[node] is the node's token (tokens[0], the root's, unused).
+    Returns (accepted nodes, last accepted node, bonus token).
+    """
+    node, path = 0, []
+    while True:
+        choice = int(logits(node).argmax())
+        nxt = next((c for c in children[node] if tokens[c] == choice), None)
+        if nxt is None:
+            return path, node, choice
+        path.append(nxt)
+        node = nxt
+
+
+def verify_sampling(probs: Callable[[int], torch.Tensor], children: list[list[int]], tokens: list[int],
+                    draft_probs: torch.Tensor | None, generator: torch.Generator | None = None
+                    ) -> tuple[list[int], int, int]:
+    """Recursive rejection sampling down the tree (see module docstring).
+
+    probs(node) -> target distribution [V] after the node; draft_probs[j - 1] is the
+    distribution draft node j was drawn from (None: all drafts deterministic, one-hot).
+    """
+    node, path = 0, []
+    while True:
+        p = probs(node).clone()
+        for child in children[node]:
+            x = tokens[child]
+            if draft_probs is None:
+                q = torch.zeros_like(p)
+                q[x] = 1.0
+            else:
+                q = draft_probs[child - 1].to(p.dtype)
+            u = torch.rand((), generator=generator)
+            if q[x] > 0 and u < torch.clamp(p[x] / q[x], max=1.0):
+                path.append(child)
+                node = child
+                break
+            residual = torch.clamp(p - q, min=0.0)
+            if residual.sum() > 0:  # == 0 only if p == q, where rejection had probability 0
+                p = residual / residual.sum()
+        else:
+            bonus = int(torch.multinomial(p, 1, generator=generator))
+            return path, node, bonus

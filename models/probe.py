@@ -1,0 +1,148 @@
+"""Training-free mask-token probing (ESP; seeds 000/001, Goel et al.).
+
+Mask tokens synthesised in the target's embedding space are attached after the root and
+after every draft node of each verifier step; the masks after the deepest accepted node
+predict the tokens that follow the bonus token, so one forward verifies the current draft
+and proposes the next ("parallel verification and generation", Sec. 3.3, Fig. 1).
+
+- Mask embeddings (Sec. 3.1): `mean` of the prompt embeddings (soft, default), `hard` = the
+  last k prompt embeddings, `sample` ~ N(mu, sigma^2 I) of the embedding table; updated after
+  every generated token e with m <- m + lambda (e - m), lambda = 0.1 (Eq. 4).
+- Block complexity BC = (k+1)(1 + sum_i K_i) (Eq. 6): the number of input positions per
+  forward; a budget BC leaves B - 1 = BC // (k+1) - 1 draft nodes.
+- Dynamic tree (Alg. 1, App. D): top-1 expansion; depth-1 candidates are the top tokens of
+  mask 1, the best node of depth i-1 gets the top tokens of mask i as children with
+  cumulative probability P(child) = P(parent) p_i(token); the best B - 1 nodes are kept.
+  A static tree `K1-K2-...` keeps K_i children under the top-1 node of depth i-1 instead.
+- Pruning (Sec. 3.5): a candidate equal to its parent or to the last token is replaced by
+  the next best.
+Presets BC = 10, 30, 60 use 1, 1 and 2 masks as in the paper (Sec. 4).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mtpkit.models.drafter import Draft, Drafter, StepOutput
+
+INITS = ("mean", "hard", "sample")
+
+
+@dataclass
+class ProbeConfig:
+    bc: int = 30
+    """block complexity: input positions per forward (root + drafts + their masks)"""
+    masks: int = 0
+    """mask tokens k per node; 0 = the paper's choice (1 up to BC 30, else 2)"""
+    init: str = "mean"
+    """mask embedding init: mean | hard | sample"""
+    lam: float = 0.1
+    """mask update rate lambda of Eq. 4"""
+    prune: bool = True
+    """replace candidates equal to their parent or the last token"""
+    tree: str = "dynamic"
+    """`dynamic` (Alg. 1) or static branch counts per depth such as `7-2`"""
+    seed: int = 0
+    """seed of the `sample` init"""
+
+
+def _topk_excluding(probs: torch.Tensor, k: int, exclude: set[int]) -> tuple[list[int], list[float]]:
+    values, ids = probs.topk(min(k + len(exclude), probs.numel()))
+    keep = [(int(i), float(v)) for i, v in zip(ids, values) if int(i) not in exclude][:k]
+    return [i for i, _ in keep], [v for _, v in keep]
+
+
+def build_tree(dists: torch.Tensor, root_token: int, num_nodes: int, branches: list[int] | None,
+               prune: bool) -> tuple[list[int], list[int]]:
+    """Draft tree from the k mask distributions `dists` [k, V].
+
+    Returns (tokens, parents) with parents indexing 0 = root, j = j-th returned node, parents
+    listed before children. `branches` None = dynamic (best `num_nodes` by cumulative probability).
+    """
+    k = dists.shape[0]
+    nodes = []  # (score, depth, token, parent position in `nodes` or -1 for the root)
+    parent, parent_token, parent_score = -1, root_token, 1.0
+    for depth in range(1, k + 1):
+        width = num_nodes if branches is None else branches[depth - 1]
+        exclude = {parent_token, root_token} if prune else set()
+        toks, probs = _topk_excluding(dists[depth - 1], width, exclude)
+        if not toks:
+            break
+        first = len(nodes)
+        nodes += [(parent_score * p, depth, t, parent) for t, p in zip(toks, probs)]
+        parent, parent_token, parent_score = first, toks[0], parent_score * probs[0]  # top-1 expands
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], nodes[i][1]))
+    chosen = set(order[:num_nodes]) if branches is None else set(order)
+    chosen = {i for i in chosen if nodes[i][3] == -1 or nodes[i][3] in chosen}
+    kept = sorted(chosen, key=lambda i: (nodes[i][1], -nodes[i][0]))
+    position = {i: j + 1 for j, i in enumerate(kept)}
+    return [nodes[i][2] for i in kept], [0 if nodes[i][3] == -1 else position[nodes[i][3]] for i in kept]
+
+
+class ProbeDrafter(Drafter):
+    name = "probe"
+
+    def __init__(self, config: ProbeConfig = ProbeConfig()):
+        c = config
+        self.k = c.masks or (1 if c.bc <= 30 else 2)
+        if c.init not in INITS:
+            raise ValueError(f"probe init must be one of {INITS}, got {c.init!r}")
+        if c.tree == "dynamic":
+            self.branches = None
+            self.num_nodes = c.bc // (self.k + 1) - 1
+        else:
+            try:
+                self.branches = [int(b) for b in c.tree.split("-")]
+            except ValueError:
+                raise ValueError(f"probe tree must be `dynamic` or branch counts like 7-2, got {c.tree!r}") from None
+            if len(self.branches) != self.k or min(self.branches) < 1:
+                raise ValueError(f"probe tree {c.tree!r} needs {self.k} positive branch counts (one per mask)")
+            self.num_nodes = sum(self.branches)
+        if self.num_nodes < 1:
+            raise ValueError(f"probe bc={c.bc} leaves no draft node with {self.k} masks (need bc >= {2 * (self.k + 1)})")
+        self.config = c
+
+    def begin(self, target, prompt_ids: list[int]) -> None:
+        table = target.embed.weight.detach()  # [V, d]
+        prompt = table[torch.tensor(prompt_ids, device=table.device)]
+        if self.config.init == "mean":
+            masks = prompt.mean(0, keepdim=True).repeat(self.k, 1)
+        elif self.config.init == "hard":
+            masks = prompt[-self.k:]
+            masks = torch.cat([masks[:1].repeat(self.k - len(masks), 1), masks])  # prompt shorter than k
+        else:
+            # sigma = sqrt(mean_j ||e_j - mu||^2) is a norm; spread it over the d dimensions so
+            # the samples have the same expected distance to mu as the real embeddings
+            mu = table.mean(0)
+            sigma = (table - mu).pow(2).sum(-1).mean().sqrt() / math.sqrt(table.shape[1])
+            gen = torch.Generator(device=table.device).manual_seed(self.config.seed)
+            masks = mu + sigma * torch.randn(self.k, table.shape[1], generator=gen, device=table.device)
+        self.masks = masks.clone()  # [k, d]
+        self.table = table
+        self.dists = None  # [k, V] mask outputs after the last accepted node
+        self.mask_rows: list[list[int]] = []
+
+    def propose(self, tokens: list[int]) -> Draft:
+        if self.dists is None:
+            draft_tokens, parents = [], []
+        else:
+            draft_tokens, parents = build_tree(self.dists, tokens[-1], self.num_nodes, self.branches,
+                                               self.config.prune)
+        N, k = len(draft_tokens), self.k
+        # k masks after the root and after every draft node: mask 1's parent is the node,
+        # mask i's parent is mask i-1 (so mask i sits at the node's position + i)
+        extra_parents, self.mask_rows = [], []
+        for node in range(N + 1):
+            first = N + 1 + node * k
+            self.mask_rows.append(list(range(first, first + k)))
+            extra_parents += [node] + list(range(first, first + k - 1))
+        return Draft(tokens=torch.tensor(draft_tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
+                     extra_embeds=self.masks.repeat(N + 1, 1), extra_parents=torch.tensor(extra_parents, dtype=torch.long))
+
+    def observe(self, step: StepOutput) -> None:
+        self.dists = torch.softmax(step.logits(self.mask_rows[step.last_node]), dim=-1)  # [k, V]
+        for token in step.new_tokens:  # Eq. 4, once per generated token
+            self.masks += self.config.lam * (self.table[token] - self.masks)

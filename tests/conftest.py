@@ -1,0 +1,32 @@
+"""Shared fixtures. Tiny random backbones are built once per session (seconds)."""
+
+from pathlib import Path
+
+import pytest
+
+from mtpkit.models.backbone import load_backbone
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return load_backbone("tiny-llama-random")
+
+
+@pytest.fixture(scope="session")
+def tiny_byte():
+    return load_backbone("tiny-byte-llama-random")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The default backbone (cached safetensors; the first run builds the cache from the wheel)."""
+    return load_backbone("smollm2-135m-instruct")
+
+
+@pytest.fixture
+def shared_data():
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"{SHARED_DATA} is absent (development data lives beside the checkout)")
+    return SHARED_DATA

