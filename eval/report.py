@@ -1,0 +1,141 @@
+"""Aggregate benchmark runs into results (per method, per category), tables and a plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TIE_TOLERANCE = 1e-4  # top-2 target logits closer than this: a genuine floating-point near-tie
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.no_grad()
+def explain_mismatch(model, prompt: list[int], ar: list[int], other: list[int]) -> dict:
+    """Where `other` leaves AR's greedy output, and whether the target's top-2 logits tie there."""
+    j = first_difference(ar, other)
+    if j is None or j >= min(len(ar), len(other)):
+        return {"position": j, "top2_gap": None, "near_tie": False, "note": "one output is a prefix of the other"}
+    logits = model(input_ids=torch.tensor([prompt + ar[:j]])).logits[0, -1].float()
+    top = logits.topk(2).values
+    gap = float(top[0] - top[1])
+    return {"position": j, "ar_token": ar[j], "other_token": other[j], "top2_gap": gap,
+            "near_tie": gap < TIE_TOLERANCE}
+
+
+def _aggregate(runs: list[dict], ar_runs: list[dict], mismatches: list[dict] | None) -> dict:
+    tokens = sum(len(r["tokens"]) for r in runs)
+    seconds = sum(r["seconds"] for r in runs)
+    ar_tps = sum(len(r["tokens"]) for r in ar_runs) / sum(r["seconds"] for r in ar_runs)
+    tps = tokens / seconds
+    out = {"prompts": len(runs), "new_tokens": tokens, "seconds": round(seconds, 3),
+           "tokens_per_s": round(tps, 3), "speedup_vs_ar": round(tps / ar_tps, 4)}
+    if "target_calls" in runs[0]:  # mtpkit decoder runs (HF generate reports no calls)
+        calls = sum(r["target_calls"] for r in runs)
+        depth = max(len(r["accept_counts"]) for r in runs)
+        accept = [sum(r["accept_counts"][d] for r in runs if d < len(r["accept_counts"])) for d in range(depth)]
+        target_s = sum(r["target_seconds"] for r in runs)
+        out.update(tau=round(tokens / calls, 4), target_calls=calls, accept_counts=accept,
+                   speedup_over_tau=round(out["speedup_vs_ar"] / (tokens / calls), 4),
+                   mean_step_ms=round(1000 * seconds / calls, 2),
+                   target_ms_per_call=round(1000 * target_s / calls, 2),
+                   decoder_overhead_share=round(1 - target_s / seconds, 4),
+                   mean_forward_tokens=round(sum(r["forward_tokens"] for r in runs) / calls, 2),
+                   mean_draft_nodes=round(sum(r["draft_nodes"] for r in runs) / calls, 2))
+    else:
+        out.update(tau=None, target_calls=None, accept_counts=None)
+    if mismatches is not None:
+        out["matches_ar"] = not mismatches
+        out["mismatches"] = len(mismatches)
+        out["near_tie_mismatches"] = sum(m["near_tie"] for m in mismatches)
+    else:
+        out["matches_ar"] = None  # sampling: outputs are random, compare distributions instead
+    return out
+
+
+def summarise(runs: dict[str, list[dict]], prompts: list[dict], model, greedy: bool) -> dict:
+    """results["methods"][spec] = totals + per_category + outputs (token ids per prompt)."""
+    ar = runs["ar"]
+    categories = sorted({p["category"] for p in prompts})
+    methods = {}
+    for spec, spec_runs in runs.items():
+        mismatch_by_prompt = {}
+        if greedy:
+            for i, (run, ref) in enumerate(zip(spec_runs, ar)):
+                if run["tokens"] != ref["tokens"]:
+                    info = explain_mismatch(model, prompts[i]["ids"], ref["tokens"], run["tokens"])
+                    mismatch_by_prompt[i] = {"prompt": prompts[i]["id"], **info}
+        pick = lambda idx: [mismatch_by_prompt[i] for i in idx if i in mismatch_by_prompt] if greedy else None
+        entry = _aggregate(spec_runs, ar, pick(range(len(prompts))))
+        entry["per_category"] = {}
+        for cat in categories:
+            idx = [i for i, p in enumerate(prompts) if p["category"] == cat]
+            entry["per_category"][cat] = _aggregate([spec_runs[i] for i in idx], [ar[i] for i in idx], pick(idx))
+        entry["mismatch_details"] = list(mismatch_by_prompt.values())
+        entry["outputs"] = {p["id"]: {"category": p["category"], "prompt_ids": p["ids"], "output_ids": r["tokens"]}
+                            for p, r in zip(prompts, spec_runs)}
+        methods[spec] = entry
+    return {"methods": methods, "categories": categories}
+
+
+def _fmt(x, digits=2):
+    return "-" if x is None else (f"{x:.{digits}f}" if isinstance(x, float) else str(x))
+
+
+def write_markdown(results: dict, path: Path) -> str:
+    lines = ["| method | tau | tokens/s | speed-up vs AR | speed-up / tau | step ms | target ms/call | "
+             "decoder overhead | matches AR |", "|---|---|---|---|---|---|---|---|---|"]
+    for spec, r in results["methods"].items():
+        lines.append(f"| {spec} | {_fmt(r['tau'])} | {_fmt(r['tokens_per_s'], 1)} | {_fmt(r['speedup_vs_ar'])} | "
+                     f"{_fmt(r.get('speedup_over_tau'))} | {_fmt(r.get('mean_step_ms'), 1)} | "
+                     f"{_fmt(r.get('target_ms_per_call'), 1)} | {_fmt(r.get('decoder_overhead_share'), 3)} | "
+                     f"{_match(r)} |")
+    lines += ["", "Per category (tau / speed-up vs AR):", "",
+              "| method | " + " | ".join(results["categories"]) + " |",
+              "|---|" + "---|" * len(results["categories"])]
+    for spec, r in results["methods"].items():
+        cells = [f"{_fmt(c['tau'])} / {_fmt(c['speedup_vs_ar'])}" for c in r["per_category"].values()]
+        lines.append(f"| {spec} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text
+
+
+def _match(r: dict) -> str:
+    if r["matches_ar"] is None:
+        return "n/a (sampling)"
+    if r["matches_ar"]:
+        return "yes"
+    return f"no: {r['mismatches']} differ, {r['near_tie_mismatches']} at near-ties"
+
+
+def write_plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = results["categories"] + ["all"]
+    specs = list(results["methods"])
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(cats) * max(1, len(specs)) / 2), 4.5))
+    width = 0.8 / len(specs)
+    for ax, key, title in ((axes[0], "tau", "tau (tokens per target call)"),
+                           (axes[1], "speedup_vs_ar", "wall-clock speed-up vs AR")):
+        for j, spec in enumerate(specs):
+            r = results["methods"][spec]
+            values = [r["per_category"][c][key] if c != "all" else r[key] for c in cats]
+            values = [v if v is not None else 0.0 for v in values]
+            ax.bar([i + j * width for i in range(len(cats))], values, width, label=spec)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([i + width * (len(specs) - 1) / 2 for i in range(len(cats))], cats, rotation=20)
+        ax.set_title(title)
+    axes[1].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,64 @@
+import json
+
+import pytest
+
+from mtpkit.eval import bench
+from mtpkit.models.pld import PLDConfig
+from mtpkit.models.probe import ProbeConfig
+
+
+def test_method_specs_parse_to_typed_configs():
+    assert bench.parse_method("probe:bc=60,masks=2,prune=0,init=sample") == (
+        "probe", ProbeConfig(bc=60, masks=2, prune=False, init="sample"))
+    assert bench.parse_method("pld:draft_len=4,ngram_max=2") == ("pld", PLDConfig(draft_len=4, ngram_max=2))
+    assert bench.parse_method("ar")[0] == "ar"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("nope", "unknown method 'nope'"), ("probe:foo=1", "options of probe: bc, masks"),
+    ("probe:bc=x", "option bc needs a int"), ("pld:draft_len", "bad option 'draft_len'"),
+    ("ar:x=1", "options of ar: none"),
+])
+def test_unknown_methods_and_malformed_options_are_clear_errors(spec, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--methods", spec])
+    assert message in capsys.readouterr().err
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--backbone", "--data", "--limit", "--per-category", "--methods", "--max-new-tokens",
+                 "--temperature", "--top-p", "--seed", "--dtype", "--out", "--trust-remote-code"):
+        assert flag in text
+    for method in bench.METHODS:
+        assert method in text
+
+
+def test_bench_end_to_end_on_a_tiny_model(tmp_path):
+    data = tmp_path / "specbench.jsonl"
+    records = [{"question_id": i, "category": cat, "turns": [text]} for i, (cat, text) in enumerate([
+        ("coding", "def add(a, b):\n    return a + b\n\nWrite a test for add."),
+        ("math", "Tom has 3 apples and buys 5 more. How many apples does he have now?"),
+        ("math", "The quick brown fox jumps over the lazy dog. Repeat it."),
+    ])]
+    data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    out = tmp_path / "r" / "results.json"
+    bench.main(["--backbone", "tiny-llama-random", "--data", str(data), "--max-new-tokens", "20",
+                "--methods", "pld:draft_len=3", "probe:bc=10", "probe:bc=30,masks=2", "hf_ar", "--out", str(out)])
+    results = json.loads(out.read_text())
+    methods = results["methods"]
+    assert list(methods) == ["ar", "pld:draft_len=3", "probe:bc=10", "probe:bc=30,masks=2", "hf_ar"]
+    for spec, r in methods.items():
+        assert r["matches_ar"] is True, spec
+        assert set(r["per_category"]) == {"coding", "math"}
+        assert len(r["outputs"]) == 3
+        for o in r["outputs"].values():
+            assert o["prompt_ids"] and len(o["output_ids"]) <= 20
+    ar = methods["ar"]
+    assert ar["tau"] == 1.0 and ar["speedup_vs_ar"] == 1.0 and ar["accept_counts"] == []
+    assert ar["target_calls"] == ar["new_tokens"]
+    assert methods["hf_ar"]["tau"] is None
+    assert (out.parent / "results.md").read_text().count("| probe:bc=10 |") == 2
+    assert (out.parent / "results.png").stat().st_size > 1000
