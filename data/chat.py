@@ -62,20 +62,16 @@ def to_messages(record: dict) -> list[dict]:
     """Normalise one record to [{"role", "content"}]; raises ValueError naming what is wrong."""
     if not isinstance(record, dict):
         raise ValueError(f"a record must be a JSON object, got {type(record).__name__}")
-    if "conversations" in record:
+    turn_keys = next(((key, role, text) for key, role, text in
+                      (("conversations", "from", "value"), ("messages", "role", "content")) if key in record), None)
+    if turn_keys is not None:  # ShareGPT or OpenAI
+        key, role_key, text_key = turn_keys
         msgs = []
-        for turn in record["conversations"]:
-            role = ROLE_ALIASES.get(str(turn.get("from", "")).lower())
-            if role is None or not isinstance(turn.get("value"), str):
-                raise ValueError(f"ShareGPT turn needs from in {sorted(ROLE_ALIASES)} and a string value: {turn!r:.80}")
-            msgs.append({"role": role, "content": turn["value"]})
-    elif "messages" in record:
-        msgs = []
-        for turn in record["messages"]:
-            role = ROLE_ALIASES.get(str(turn.get("role", "")).lower())
-            if role is None or not isinstance(turn.get("content"), str):
-                raise ValueError(f"message needs role in user/assistant/system and string content: {turn!r:.80}")
-            msgs.append({"role": role, "content": turn["content"]})
+        for turn in record[key]:
+            role = ROLE_ALIASES.get(str(turn.get(role_key, "")).lower())
+            if role is None or not isinstance(turn.get(text_key), str):
+                raise ValueError(f"turn needs {role_key} in {sorted(ROLE_ALIASES)} and a string {text_key}: {turn!r:.80}")
+            msgs.append({"role": role, "content": turn[text_key]})
     elif "instruction" in record:
         prompt = record["instruction"]
         if record.get("input"):

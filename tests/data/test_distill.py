@@ -65,3 +65,20 @@ def test_bad_flags_are_clear_errors(bad, tmp_path, capsys):
     with pytest.raises(SystemExit):
         distill_mod.parse_args(["--out", str(tmp_path / "x.jsonl")] + bad)
     assert bad[0] in capsys.readouterr().err
+
+
+def test_script_runs_as_documented(tmp_path):
+    """`python data/distill.py ...` works as a script (no module shadowing from data/ on sys.path)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "data" / "distill.py"
+    help_text = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in ("--backbone", "--data", "--out", "--limit", "--max-new-tokens", "--temperature", "--batch-size"):
+        assert flag in help_text
+    out = tmp_path / "d.jsonl"
+    run = subprocess.run([sys.executable, str(script), *ARGS, "--limit", "2", "--out", str(out)],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert len(_records(out)) == 2 and "wrote 2 records" in run.stdout

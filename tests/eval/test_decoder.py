@@ -1,7 +1,6 @@
 """The speculative decoder through real models: lossless greedy decoding for every drafter, the
 decode statistics, KV-cache rollback, and exact speculative sampling."""
 
-import math
 import random
 from typing import NamedTuple
 
@@ -10,6 +9,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import mtpkit.eval.decoder as decoder_module
+from chisquare import chi2_pvalue
 from mtpkit.data.chat import load_examples, prompt_ids
 from mtpkit.eval.decoder import Target, decode, rollback_cache
 from mtpkit.eval.generate import generate, target_probs
@@ -317,32 +317,6 @@ def _exact_joint(target: Target, top_p: float) -> torch.Tensor:
     return first[:, None] * second
 
 
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value of `counts` against `probs`; cells with expected count < 5 are
-    pooled. A count on a zero-probability cell gives 0."""
-    counts, probs = counts.flatten().double(), probs.flatten().double()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    expected = probs * counts.sum()
-    order = expected.argsort()  # ascending
-    small = int((expected < 5).sum())
-    while 0 < small < len(order) and expected[order[:small]].sum() < 5:
-        small += 1  # grow the pool of small cells until it reaches 5 too
-    pooled, rest = order[:small], order[small:]
-    obs = ([counts[pooled].sum().item()] if small else []) + counts[rest].tolist()
-    exp = ([expected[pooled].sum().item()] if small else []) + expected[rest].tolist()
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    df = len(obs) - 1
-    if df == 0:  # a single (pooled) cell: nothing left to compare
-        return 1.0
-    try:
-        from scipy.stats import chi2
-        return float(chi2.sf(stat, df))
-    except ImportError:  # Wilson-Hilferty: the p = 0.001 critical value
-        critical = df * (1 - 2 / (9 * df) + 3.0902 * math.sqrt(2 / (9 * df))) ** 3
-        return 1.0 if stat <= critical else 0.0
-
-
 def _two_token_counts(target, drafter, runs, top_p=1.0, seed=0) -> torch.Tensor:
     """[V, V] counts of the first two tokens over `runs` sampled decodes."""
     g = torch.Generator().manual_seed(seed)
@@ -355,7 +329,7 @@ def _two_token_counts(target, drafter, runs, top_p=1.0, seed=0) -> torch.Tensor:
 
 def _sampling_matches(target, drafter, runs=RUNS, top_p=1.0) -> bool:
     """True if sampled decodes pass a chi-square test (p = 0.001) against the exact joint."""
-    return _chi2_pvalue(_two_token_counts(target, drafter, runs, top_p), _exact_joint(target, top_p)) > 1e-3
+    return chi2_pvalue(_two_token_counts(target, drafter, runs, top_p), _exact_joint(target, top_p)) > 1e-3
 
 
 # unlike the target (about [0.49, 0.14, 0.01, 0.16, 0.20] after the prompt), so rejections are

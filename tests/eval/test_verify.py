@@ -4,12 +4,12 @@ The sampling rule is checked statistically: the tokens it emits must be distribu
 the target's, and the same check must reject a deliberately wrong rule (so it has power).
 """
 
-import math
 from functools import lru_cache
 
 import pytest
 import torch
 
+from chisquare import chi2_pvalue
 from mtpkit.eval.verify import attention_inputs, children_of, tree_layout, verify_greedy, verify_sampling
 
 PARENT_LISTS = {
@@ -141,32 +141,6 @@ def _verify_sampling_without_residual(probs, children, tokens, draft_probs, gene
             return path, node, int(torch.multinomial(p, 1, generator=generator))
 
 
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value of `counts` against `probs`; cells with expected count < 5 are
-    pooled. A count on a zero-probability cell gives 0."""
-    counts, probs = counts.flatten().double(), probs.flatten().double()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    expected = probs * counts.sum()
-    order = expected.argsort()  # ascending
-    small = int((expected < 5).sum())
-    while 0 < small < len(order) and expected[order[:small]].sum() < 5:
-        small += 1  # grow the pool of small cells until it reaches 5 too
-    pooled, rest = order[:small], order[small:]
-    obs = ([counts[pooled].sum().item()] if small else []) + counts[rest].tolist()
-    exp = ([expected[pooled].sum().item()] if small else []) + expected[rest].tolist()
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    df = len(obs) - 1
-    if df == 0:  # a single (pooled) cell: nothing left to compare
-        return 1.0
-    try:
-        from scipy.stats import chi2
-        return float(chi2.sf(stat, df))
-    except ImportError:  # Wilson-Hilferty: the p = 0.001 critical value
-        critical = df * (1 - 2 / (9 * df) + 3.0902 * math.sqrt(2 / (9 * df))) ** 3
-        return 1.0 if stat <= critical else 0.0
-
-
 def _draw_trees(deterministic: bool, n: int, g: torch.Generator):
     """Per trial: the step tokens (root first) and draft_probs. Sampled drafts are redrawn every
     trial: nodes 1, 2 i.i.d. from Q1, node 4 from Q2[token of node 1]; nodes 3 and 5 are fixed
@@ -213,7 +187,7 @@ def _first_token_matches(verify_fn, deterministic: bool, joint: bool = False, n:
     else:
         counts, target, tv_bound = torch.bincount(emitted[:, 0], minlength=V), P1, 0.025
     tv = 0.5 * (counts.double() / n - target.double()).abs().sum().item()
-    return _chi2_pvalue(counts, target) > 1e-3 and tv < tv_bound
+    return chi2_pvalue(counts, target) > 1e-3 and tv < tv_bound
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["sampled-drafts", "deterministic-drafts"])
@@ -238,6 +212,6 @@ def test_the_statistic_rejects_a_wrong_rule(deterministic):
 def test_chi2_pvalue_sanity():
     """The helper itself: exact counts pass, skewed counts and impossible outcomes fail."""
     probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
-    assert _chi2_pvalue(torch.tensor([500, 300, 200, 0]), probs) > 0.99
-    assert _chi2_pvalue(torch.tensor([600, 250, 150, 0]), probs) < 1e-3
-    assert _chi2_pvalue(torch.tensor([500, 300, 199, 1]), probs) == 0.0
+    assert chi2_pvalue(torch.tensor([500, 300, 200, 0]), probs) > 0.99
+    assert chi2_pvalue(torch.tensor([600, 250, 150, 0]), probs) < 1e-3
+    assert chi2_pvalue(torch.tensor([500, 300, 199, 1]), probs) == 0.0
