@@ -187,11 +187,16 @@ def builtin_prompts_path() -> Path:
 
 # --------------------------------------------------------------------------- tokenisation
 
+def generation_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the whole conversation followed by the assistant's generation prompt."""
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                              add_generation_prompt=True))
+
+
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of the conversation before its first assistant turn, ready for generation."""
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-    return list(tokenizer.apply_chat_template(messages[:first], tokenize=True, return_dict=False,
-                                              add_generation_prompt=True))
+    return generation_prompt_ids(tokenizer, messages[:first])
 
 
 def tokenize_chat(tokenizer, messages: list[dict], max_length: int | None = None) -> dict:

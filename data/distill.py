@@ -1,8 +1,9 @@
 """Self-distillation: regenerate the assistant turns of a prompt set with the target backbone.
 
 Heads trained on the target's own outputs accept far more drafts (Medusa-2, SpecForge and
-vLLM speculators all do this). The output is a `.jsonl` of OpenAI-style `messages` records
-that both training recipes read.
+vLLM speculators all do this). Every assistant turn is regenerated in order, each one
+conditioned on the target's own earlier replies (`--max-turns` caps the turns kept). The
+output is a `.jsonl` of OpenAI-style `messages` records that both training recipes read.
 
     python data/distill.py --backbone smollm2-135m-instruct --data builtin \
         --out runs/distilled.jsonl --limit 32 --max-new-tokens 128 --batch-size 8
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mtpkit.data.chat import load_examples, prompt_ids
+from mtpkit.data.chat import generation_prompt_ids, load_examples
 from mtpkit.eval.generate import generate
 from mtpkit.models.backbone import DEFAULT_BACKBONE, load_backbone
 
@@ -40,7 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, help="use only the first N records of --data")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per answer (default: %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024,
-                   help="prompts longer than this are skipped and counted (default: %(default)s)")
+                   help="a turn whose prompt is longer than this ends its conversation there; a record whose "
+                        "first prompt is too long is skipped and counted (default: %(default)s)")
+    p.add_argument("--max-turns", type=int, default=None,
+                   help="regenerate at most N assistant turns per conversation (default: all)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy; > 0 samples at this temperature (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling (default: %(default)s)")
@@ -50,8 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--show", type=int, default=0, help="print the first N records written (default: %(default)s)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the Hub/folder")
     args = p.parse_args(argv)
-    if args.batch_size < 1 or args.max_new_tokens < 1:
-        p.error("--batch-size and --max-new-tokens must be >= 1")
+    if args.batch_size < 1 or args.max_new_tokens < 1 or (args.max_turns is not None and args.max_turns < 1):
+        p.error("--batch-size, --max-new-tokens and --max-turns must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error("--temperature must be >= 0 and --top-p in (0, 1]")
     return args
@@ -84,39 +88,30 @@ def distill(args: argparse.Namespace) -> dict:
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     eos_ids = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
 
-    todo, too_long = [], 0
-    for ex in examples:
-        if ex.id in done:
-            continue
-        ids = prompt_ids(tokenizer, ex.messages)
-        if len(ids) > args.max_prompt_tokens:
-            too_long += 1
-            continue
-        todo.append((ex, ids))
-    todo.sort(key=lambda item: len(item[1]))  # similar lengths per batch: less padding
+    todo = [ex for ex in examples if ex.id not in done]
+    # similar first-prompt lengths per batch: less padding
+    todo.sort(key=lambda ex: sum(len(m["content"]) for m in user_segments(ex.messages)[0]))
+    too_long = 0
     generator = torch.Generator().manual_seed(args.seed)
 
     new_tokens, written, started = 0, 0, time.perf_counter()
-    bar = tqdm(total=len(todo), desc="distill", unit="prompt", disable=None)
+    bar = tqdm(total=len(todo), desc="distill", unit="conversation", disable=None)
     with open(out, "a", encoding="utf-8") as f:
         for start in range(0, len(todo), args.batch_size):
             batch = todo[start: start + args.batch_size]
-            outputs = generate(model, [ids for _, ids in batch], args.max_new_tokens, eos_ids,
-                               tokenizer.pad_token_id, args.temperature, args.top_p, generator)
-            for (ex, _), gen in zip(batch, outputs):
-                finished = bool(gen) and gen[-1] in eos_ids
-                text = tokenizer.decode(gen[:-1] if finished else gen)
-                prompt_msgs = ex.messages[: next((i for i, m in enumerate(ex.messages) if m["role"] == "assistant"),
-                                                 len(ex.messages))]
-                record = {"id": ex.id, "category": ex.category,
-                          "messages": prompt_msgs + [{"role": "assistant", "content": text}],
-                          "backbone": args.backbone, "temperature": args.temperature,
-                          "finish_reason": "stop" if finished else "length", "new_tokens": len(gen)}
+            convs = regenerate(model, tokenizer, [ex.messages for ex in batch], args, eos_ids, generator)
+            for ex, (messages, n_tokens, finish) in zip(batch, convs):
+                if not any(m["role"] == "assistant" for m in messages):  # first prompt over the limit
+                    too_long += 1
+                    continue
+                record = {"id": ex.id, "category": ex.category, "messages": messages, "backbone": args.backbone,
+                          "temperature": args.temperature, "finish_reason": finish, "new_tokens": n_tokens}
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
                 if written < args.show:
-                    tqdm.write(f"--- {ex.id} [{ex.category}]\nuser: {prompt_msgs[-1]['content'][:200]}\n"
-                               f"assistant ({len(gen)} tokens): {text[:300]}")
-                new_tokens += len(gen)
+                    user = next(m["content"] for m in messages if m["role"] == "user")
+                    reply = next(m["content"] for m in messages if m["role"] == "assistant")
+                    tqdm.write(f"--- {ex.id} [{ex.category}]\nuser: {user[:200]}\nassistant: {reply[:300]}")
+                new_tokens += n_tokens
                 written += 1
             f.flush()
             os.fsync(f.fileno())  # a crash after this point loses nothing already generated
@@ -132,6 +127,50 @@ def distill(args: argparse.Namespace) -> dict:
     print(f"[distill] wrote {written} records ({len(done)} already done, {too_long} prompts too long) "
           f"to {out}: {new_tokens} tokens in {seconds:.1f}s = {summary['tokens_per_s']} tok/s")
     return summary
+
+
+def user_segments(messages: list[dict]) -> list[list[dict]]:
+    """The non-assistant messages before each assistant reply: [[system, user 1], [user 2], ...]."""
+    segments, current = [], []
+    for message in messages:
+        if message["role"] != "assistant":
+            current.append(message)
+        elif current:
+            segments.append(current)
+            current = []
+    return segments + ([current] if current else [])
+
+
+def regenerate(model, tokenizer, conversations: list[list[dict]], args, eos_ids: set[int],
+               generator: torch.Generator) -> list[tuple[list[dict], int, str]]:
+    """Replace every assistant turn with the target's own reply, turn by turn, batched across
+    conversations. Returns (messages, new tokens, finish reason of the last turn) per conversation."""
+    segments = [user_segments(c)[: args.max_turns] for c in conversations]
+    history = [[] for _ in conversations]
+    tokens = [0] * len(conversations)
+    finish = ["length"] * len(conversations)
+    ended = [False] * len(conversations)
+    for turn in range(max(len(s) for s in segments)):
+        active, prompts = [], []
+        for b, segs in enumerate(segments):
+            if turn < len(segs) and not ended[b]:
+                ids = generation_prompt_ids(tokenizer, history[b] + segs[turn])
+                if len(ids) > args.max_prompt_tokens:  # the conversation ends with the turns done so far
+                    ended[b] = True
+                    continue
+                active.append(b)
+                prompts.append(ids)
+        if not active:
+            break
+        outputs = generate(model, prompts, args.max_new_tokens, eos_ids, tokenizer.pad_token_id,
+                           args.temperature, args.top_p, generator)
+        for b, gen in zip(active, outputs):
+            stopped = bool(gen) and gen[-1] in eos_ids
+            reply = tokenizer.decode(gen[:-1] if stopped else gen)
+            history[b] += segments[b][turn] + [{"role": "assistant", "content": reply}]
+            tokens[b] += len(gen)
+            finish[b] = "stop" if stopped else "length"
+    return [(h, t, f) for h, t, f in zip(history, tokens, finish)]
 
 
 def _as_list(x) -> list:

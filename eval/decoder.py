@@ -97,7 +97,13 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         embeds = target.embed(ids)[None]  # [1, c+N, d]
         if M:
             embeds = torch.cat([embeds, draft.extra_embeds.to(embeds)[None]], dim=1)
-        mask, position_ids = attention_inputs(tuple(parents), cache_len, target.dtype, target.device)
+        if all(p == i - 1 for i, p in enumerate(parents)):
+            # a plain chain (AR, prompt lookup): the model's own causal mask is exact and lets
+            # attention take its unmasked fast path
+            mask = None
+            position_ids = torch.arange(cache_len, cache_len + len(parents), device=target.device)[None]
+        else:
+            mask, position_ids = attention_inputs(tuple(parents), cache_len, target.dtype, target.device)
 
         t0 = time.perf_counter()
         hidden = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,

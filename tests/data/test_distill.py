@@ -82,3 +82,38 @@ def test_script_runs_as_documented(tmp_path):
                          capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert len(_records(out)) == 2 and "wrote 2 records" in run.stdout
+
+
+def test_every_assistant_turn_is_regenerated_on_the_targets_own_history(tmp_path, tiny):
+    from mtpkit.data.chat import generation_prompt_ids
+    from mtpkit.eval.generate import generate
+
+    model, tokenizer = tiny
+    conv = {"id": "c1", "conversations": [
+        {"from": "system", "value": "Be brief."}, {"from": "human", "value": "Name a fruit."},
+        {"from": "gpt", "value": "ORIGINAL 1"}, {"from": "human", "value": "And a colour?"},
+        {"from": "gpt", "value": "ORIGINAL 2"}]}
+    data = tmp_path / "sharegpt.jsonl"
+    data.write_text(json.dumps(conv) + "\n" + json.dumps({**conv, "id": "c2"}) + "\n")
+    base = ["--backbone", "tiny-llama-random", "--data", str(data), "--max-new-tokens", "10"]
+
+    out = tmp_path / "all.jsonl"
+    distill_mod.main(base + ["--out", str(out)])
+    msgs = _records(out)[0]["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant"]
+
+    def greedy(history):
+        gen = generate(model, [generation_prompt_ids(tokenizer, history)], 10, [tokenizer.eos_token_id],
+                       tokenizer.pad_token_id)[0]
+        return tokenizer.decode(gen[:-1] if gen[-1] == tokenizer.eos_token_id else gen)
+
+    assert msgs[2]["content"] == greedy(msgs[:2])  # turn 1 from the prompt
+    assert msgs[4]["content"] == greedy(msgs[:4])  # turn 2 conditioned on the regenerated turn 1
+    assert "ORIGINAL" not in json.dumps(msgs)
+
+    first_only = tmp_path / "first.jsonl"
+    distill_mod.main(base + ["--out", str(first_only), "--max-turns", "1"])
+    assert [m["role"] for m in _records(first_only)[0]["messages"]] == ["system", "user", "assistant"]
+
+    too_long = distill_mod.main(base + ["--out", str(tmp_path / "none.jsonl"), "--max-prompt-tokens", "5"])
+    assert too_long["skipped_too_long"] == 2 and too_long["written"] == 0
