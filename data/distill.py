@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from mtpkit.data.chat import generation_prompt_ids, load_examples
 from mtpkit.eval.generate import generate
-from mtpkit.models.backbone import DEFAULT_BACKBONE, load_backbone
+from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -86,7 +86,7 @@ def distill(args: argparse.Namespace) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     done, bad = read_done(out)
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-    eos_ids = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
+    eos_ids = eos_token_ids(model, tokenizer)
 
     todo = [ex for ex in examples if ex.id not in done]
     # similar first-prompt lengths per batch: less padding
@@ -170,11 +170,8 @@ def regenerate(model, tokenizer, conversations: list[list[dict]], args, eos_ids:
             history[b] += segments[b][turn] + [{"role": "assistant", "content": reply}]
             tokens[b] += len(gen)
             finish[b] = "stop" if stopped else "length"
-    return [(h, t, f) for h, t, f in zip(history, tokens, finish)]
+    return list(zip(history, tokens, finish))
 
-
-def _as_list(x) -> list:
-    return [] if x is None else (list(x) if isinstance(x, (list, tuple)) else [x])
 
 
 def main(argv=None) -> dict:

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from mtpkit.data.chat import DataError, load_examples, prompt_ids
 from mtpkit.eval.decoder import Target, decode
 from mtpkit.eval.report import summarise, write_markdown, write_plot
-from mtpkit.models.backbone import DEFAULT_BACKBONE, load_backbone
+from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
 from mtpkit.models.drafter import Drafter
 from mtpkit.models.pld import PLDConfig, PLDDrafter
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
@@ -164,7 +164,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     target = Target(model)
-    eos = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
+    eos = eos_token_ids(model, tokenizer)
     try:
         prompts = load_prompts(args.data, args.limit, args.per_category, tokenizer)
     except DataError as e:
@@ -201,9 +201,6 @@ def main(argv=None) -> dict:
     print(f"[bench] wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
     return results
 
-
-def _as_list(x) -> list:
-    return [] if x is None else (list(x) if isinstance(x, (list, tuple)) else [x])
 
 
 if __name__ == "__main__":

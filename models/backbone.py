@@ -233,3 +233,9 @@ def _from_hub(model_id: str, dtype: torch.dtype, trust_remote_code: bool):
     except OSError as e:
         raise BackboneError(f"cannot load backbone {model_id!r} from the Hub ({e}); known names: {known}") from e
 
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every id that ends a reply: the tokenizer's eos plus the generation config's (int or list)."""
+    configured = model.generation_config.eos_token_id
+    configured = [] if configured is None else (configured if isinstance(configured, (list, tuple)) else [configured])
+    return {tokenizer.eos_token_id, *configured}
