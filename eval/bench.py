@@ -9,6 +9,8 @@ Methods (`name` or `name:key=value,key=value`; results are keyed by the full spe
   pld                prompt lookup: ngram_max=3, ngram_min=1, draft_len=10
   probe              training-free mask-token probing: bc=30, masks=0 (auto: 1 up to bc 30, else 2),
                      init=mean|hard|sample, lam=0.1, prune=1, tree=dynamic|7-2, seed=0
+  gated_lora         trained gated-LoRA mask tokens (train/gated_lora.py): head=DIR (export or
+                     checkpoint head/ folder), decoding=linear|quadratic, sampler=1|0
   hf_ar              transformers' own generate() (peer baseline, no tau)
   hf_pld             transformers' generate(prompt_lookup_num_tokens=num): num=10, ngram=2
 `ar` always runs (it is every speed-up's denominator). Methods run interleaved prompt by
@@ -37,6 +39,7 @@ from mtpkit.eval.decoder import Target, decode
 from mtpkit.eval.report import summarise, write_markdown, write_plot
 from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
 from mtpkit.models.drafter import Drafter
+from mtpkit.models.gated_drafter import GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.pld import PLDConfig, PLDDrafter
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
 
@@ -59,6 +62,7 @@ METHODS = {
     "ar": (NoOptions, lambda cfg: Drafter()),
     "pld": (PLDConfig, PLDDrafter),
     "probe": (ProbeConfig, ProbeDrafter),
+    "gated_lora": (GatedLoRADraftConfig, GatedLoRADrafter),
     "hf_ar": (NoOptions, None),
     "hf_pld": (HFPLDConfig, None),
 }
@@ -163,13 +167,21 @@ def run_hf(model, tokenizer, name, cfg, ids, args, eos) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-    target = Target(model)
     eos = eos_token_ids(model, tokenizer)
     try:
         prompts = load_prompts(args.data, args.limit, args.per_category, tokenizer)
     except DataError as e:
         sys.exit(f"bench: {e}")
-    decode(target, Drafter(), prompts[0]["ids"], 8)  # warm-up: first calls pay one-off costs
+    drafters, targets, shared = {}, {}, {}
+    for spec, (name, cfg) in zip(args.methods, args.parsed):
+        if METHODS[name][1] is not None:
+            try:
+                drafters[spec] = METHODS[name][1](cfg)
+                targets[spec] = Target(*drafters[spec].adapt(model, shared))
+            except (ValueError, FileNotFoundError) as e:
+                sys.exit(f"bench: --methods {spec}: {e}")
+    for spec in drafters:  # warm-up: first calls pay one-off costs
+        decode(targets[spec], drafters[spec], prompts[0]["ids"], 8)
 
     runs = {spec: [] for spec in args.methods}
     bar = tqdm(total=len(prompts) * len(args.methods), desc="bench", unit="run")
@@ -182,7 +194,7 @@ def main(argv=None) -> dict:
             if METHODS[name][1] is None:
                 run = run_hf(model, tokenizer, name, cfg, prompt["ids"], args, eos)
             else:
-                res = decode(target, METHODS[name][1](cfg), prompt["ids"], args.max_new_tokens, args.temperature,
+                res = decode(targets[spec], drafters[spec], prompt["ids"], args.max_new_tokens, args.temperature,
                              args.top_p, eos, generator)
                 run = dataclasses.asdict(res)
             runs[spec].append(run)

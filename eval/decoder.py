@@ -9,6 +9,7 @@ path. The LM head runs only on the rows that acceptance and the drafter actually
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -23,8 +24,9 @@ from mtpkit.models.drafter import Drafter, StepOutput
 class Target:
     """The target model split into body (hidden states) and LM head, so logits are lazy."""
 
-    def __init__(self, model):
+    def __init__(self, model, gate=None):
         self.model = model
+        self.gate = gate  # gated-LoRA models: `gate(mask)` switches the adapter on for extra nodes
         self.body = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.embed = model.get_input_embeddings()
@@ -105,9 +107,13 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         else:
             mask, position_ids = attention_inputs(tuple(parents), cache_len, target.dtype, target.device)
 
+        gated = contextlib.nullcontext()
+        if target.gate is not None:  # the adapter is on for the extra nodes (mask tokens) only
+            gated = target.gate(torch.arange(c + N + M, device=target.device)[None] >= c + N)
         t0 = time.perf_counter()
-        hidden = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
-                             past_key_values=cache, use_cache=True).last_hidden_state[0, root:]  # [1+N+M, d]
+        with gated:
+            hidden = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
+                                 past_key_values=cache, use_cache=True).last_hidden_state[0, root:]  # [1+N+M, d]
         result.target_seconds += time.perf_counter() - t0
         result.target_calls += 1
         result.draft_nodes += N

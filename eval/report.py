@@ -89,6 +89,12 @@ def _fmt(x, digits=2):
 
 
 def write_markdown(results: dict, path: Path) -> str:
+    text = markdown_table(results)
+    path.write_text(text)
+    return text
+
+
+def markdown_table(results: dict) -> str:
     lines = ["| method | tau | tokens/s | speed-up vs AR | speed-up / tau | step ms | target ms/call | "
              "decoder overhead | matches AR |", "|---|---|---|---|---|---|---|---|---|"]
     for spec, r in results["methods"].items():
@@ -102,9 +108,7 @@ def write_markdown(results: dict, path: Path) -> str:
     for spec, r in results["methods"].items():
         cells = [f"{_fmt(c['tau'])} / {_fmt(c['speedup_vs_ar'])}" for c in r["per_category"].values()]
         lines.append(f"| {spec} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + "\n"
-    path.write_text(text)
-    return text
+    return "\n".join(lines) + "\n"
 
 
 def _match(r: dict) -> str:

@@ -81,6 +81,12 @@ class Drafter:
 
     name = "ar"
 
+    def adapt(self, model, shared: dict):
+        """(model, gate) this drafter decodes with, given the plain target `model`. Drafters that
+        change the target (gated LoRA) return an adapted copy and its gate; `shared` is a dict the
+        caller keeps across drafters so weights several of them use are loaded once."""
+        return model, None
+
     def begin(self, target, prompt_ids: list[int]) -> None:
         """Reset per-prompt state. `target` is the `mtpkit.eval.decoder.Target` being decoded."""
 

@@ -1,0 +1,96 @@
+"""Mask-token training inputs (seed 002, Sec. 2.1 and Figure 4).
+
+A sequence of n tokens with next-token labels becomes n NTP slots plus, after every token
+that carries a loss, a block of k mask slots:
+
+    x0 x1 [m1 m2] x2 [m1 m2] x3 ...       (k = 2; no masks after prompt tokens)
+
+- NTP slot t: position id t, label labels[t] (= x[t+1] or IGNORE); attends to NTP slots <= t
+  only, so next-token outputs are those of the unmasked sequence.
+- Mask i of the block anchored at t: position id t + i, label labels[t + i] (= x[t+1+i]);
+  attends to NTP slots <= t and to masks 1..i of its own block, never to other blocks.
+
+One call simulates n prompts "first t tokens + k masks" in a single forward. Everything is
+built with tensor ops (no Python loop over tokens); `collate_mask_inputs` pads a batch and
+builds the 4D additive attention mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtpkit.data.chat import IGNORE
+
+
+def mask_inputs(input_ids: torch.Tensor, labels: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Figure-4 slots of one sequence. input_ids, labels: [n] (labels already shifted: labels[t]
+    is the target of position t). Returns [T] tensors, T = n + k * (number of loss tokens):
+
+    input_ids (0 at masks), mask_index (0 = NTP, i = mask i), position_ids, labels, anchor (the
+    position a slot sees up to: t for NTP t and for the masks anchored at t), prev_ids (the
+    token before each label, x[position], the sampler's y_prev) and ntp_slot (the slot of the
+    NTP token at the same position: the latent-consistency anchor).
+    """
+    n = input_ids.numel()
+    has_masks = labels != IGNORE                                     # [n]
+    before = torch.cumsum(has_masks.long(), 0) - has_masks.long()    # anchors strictly before t
+    ntp_slot = torch.arange(n) + k * before                          # [n] slot of NTP token t
+    T = n + k * int(has_masks.sum())
+    anchors = has_masks.nonzero().squeeze(1)                         # [A]
+    i = torch.arange(1, k + 1)
+    mask_slots = (ntp_slot[anchors][:, None] + i).reshape(-1)        # [A*k]
+    mask_pos = (anchors[:, None] + i).reshape(-1)                    # t + i
+
+    out = {
+        "input_ids": torch.zeros(T, dtype=torch.long),
+        "mask_index": torch.zeros(T, dtype=torch.long),
+        "position_ids": torch.zeros(T, dtype=torch.long),
+        "labels": torch.full((T,), IGNORE, dtype=torch.long),
+        "anchor": torch.zeros(T, dtype=torch.long),
+    }
+    out["input_ids"][ntp_slot] = input_ids
+    out["position_ids"][ntp_slot] = torch.arange(n)
+    out["labels"][ntp_slot] = labels
+    out["anchor"][ntp_slot] = torch.arange(n)
+    out["mask_index"][mask_slots] = i.repeat(len(anchors))
+    out["position_ids"][mask_slots] = mask_pos
+    inside = mask_pos < n
+    mask_labels = torch.full_like(mask_pos, IGNORE)
+    mask_labels[inside] = labels[mask_pos[inside]]
+    out["labels"][mask_slots] = mask_labels
+    out["anchor"][mask_slots] = anchors.repeat_interleave(k)
+    pos = out["position_ids"].clamp(max=n - 1)
+    out["prev_ids"] = input_ids[pos]
+    out["ntp_slot"] = ntp_slot[pos]
+    return out
+
+
+def allowed_attention(slots: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[T, T] bool, query row may attend to key column (the Figure-4 rules)."""
+    is_mask = slots["mask_index"] > 0
+    anchor, idx = slots["anchor"], slots["mask_index"]
+    q_anchor, k_pos = anchor[:, None], slots["position_ids"][None, :]
+    sees_ntp = ~is_mask[None, :] & (k_pos <= q_anchor)
+    same_block = (is_mask[:, None] & is_mask[None, :] & (anchor[None, :] == q_anchor)
+                  & (idx[None, :] <= idx[:, None]))
+    return sees_ntp | same_block
+
+
+def collate_mask_inputs(features: list[dict[str, torch.Tensor]], dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Right-pad slot dicts from `mask_inputs` into a batch with a 4D additive mask [B, 1, T, T].
+    Padding slots attend only to themselves (no all-masked rows) and carry no label."""
+    T = max(f["input_ids"].numel() for f in features)
+    B = len(features)
+    batch = {key: torch.zeros(B, T, dtype=torch.long) for key in ("input_ids", "mask_index", "position_ids",
+                                                                 "prev_ids", "ntp_slot")}
+    batch["labels"] = torch.full((B, T), IGNORE, dtype=torch.long)
+    allowed = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)
+    for b, f in enumerate(features):
+        n = f["input_ids"].numel()
+        for key in batch:
+            batch[key][b, :n] = f[key]
+        allowed[b, :n, :n] = allowed_attention(f)
+    mask = torch.zeros(B, 1, T, T, dtype=dtype)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    batch["attention_mask"] = mask
+    return batch

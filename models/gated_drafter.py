@@ -1,0 +1,104 @@
+"""The gated-LoRA drafter: linear and quadratic decoding (seed 002, Sec. 2.4).
+
+Each verifier step feeds [root, speculated tokens..., mask blocks...]; the masks carry the
+gated LoRA (the decoder switches the gate on for extra nodes only), so the root and the
+speculated tokens are scored by the untouched base model while the masks propose the next
+k tokens: one forward both verifies and proposes.
+
+- linear: one block of k masks after the last speculated token. If every speculation is
+  accepted its masks give the next k; otherwise the next step has no speculation (Sec. 2.4.1).
+- quadratic: a block of k masks after the root and after every speculated token, so whatever
+  is accepted, the block after the deepest accepted node gives k fresh speculations
+  (Sec. 2.4.2). The paper lists blocks after the k speculated tokens only (k^2 masks); the
+  extra block after the root (k(k+1) in all) keeps the "k fresh speculations every step"
+  promise when the first speculation is rejected.
+
+Speculations: y_0 = the bonus token; y_i = argmax W z_i (base head) or, with the sampler,
+argmax W MLP([E(y_{i-1}); z_i]). Drafts are deterministic, so speculative sampling treats
+them as one-hot proposals and stays exact.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from mtpkit.models.drafter import Draft, Drafter, StepOutput
+from mtpkit.models.gated_lora import GatedMTP, load_head
+
+DECODINGS = ("linear", "quadratic")
+
+
+@dataclass
+class GatedLoRADraftConfig:
+    head: str = ""
+    """head folder (train/export.py output or a checkpoint's head/)"""
+    decoding: str = "quadratic"
+    """linear | quadratic"""
+    sampler: bool = True
+    """speculate with the sampler head (if the head has one) instead of the base head"""
+    k: int = 0
+    """masks per block; 0 = the k the head was trained with. Fewer is exact for the same head
+    (mask i only ever sees masks 1..i of its block), so one k=4 head also serves k=2"""
+
+
+class GatedLoRADrafter(Drafter):
+    name = "gated_lora"
+
+    def __init__(self, config: GatedLoRADraftConfig = GatedLoRADraftConfig(), model: GatedMTP | None = None):
+        if config.decoding not in DECODINGS:
+            raise ValueError(f"gated_lora decoding must be one of {DECODINGS}, got {config.decoding!r}")
+        if model is None and not config.head:
+            raise ValueError("gated_lora needs head=DIR (a folder written by train/export.py)")
+        self.config = config
+        self.model = model
+
+    def adapt(self, model, shared: dict):
+        """A copy of `model` carrying the gated adapter (one copy per head folder), and its gate."""
+        if self.model is None:
+            key = ("gated_lora", self.config.head)
+            if key not in shared:
+                shared[key] = load_head(self.config.head, copy.deepcopy(model))
+            self.model = shared[key]
+        if self.config.sampler and self.model.sampler is None:
+            raise ValueError(f"gated_lora: sampler=1 but {self.config.head} has no sampler head")
+        self.model.eval()
+        return self.model.peft.get_base_model(), self.model.gate
+
+    def begin(self, target, prompt_ids: list[int]) -> None:
+        trained = self.model.config.k
+        if not 0 <= self.config.k <= trained:
+            raise ValueError(f"gated_lora k={self.config.k}: the head was trained with k={trained}")
+        self.k = self.config.k or trained
+        self.masks = self.model.mask_embeds.detach()[: self.k]
+        self.spec: list[int] = []
+        self.blocks: dict[int, list[int]] = {}
+
+    def propose(self, tokens: list[int]) -> Draft:
+        N, k = len(self.spec), self.k
+        anchors = list(range(N + 1)) if self.config.decoding == "quadratic" else [N]
+        extra_parents, self.blocks = [], {}
+        for j, node in enumerate(anchors):
+            first = N + 1 + j * k  # mask 1 hangs off its anchor node, mask i off mask i-1
+            self.blocks[node] = list(range(first, first + k))
+            extra_parents += [node] + list(range(first, first + k - 1))
+        return Draft(tokens=torch.tensor(self.spec, dtype=torch.long), parents=torch.arange(N),
+                     extra_embeds=self.masks.repeat(len(anchors), 1),
+                     extra_parents=torch.tensor(extra_parents, dtype=torch.long))
+
+    def observe(self, step: StepOutput) -> None:
+        rows = self.blocks.get(step.last_node)
+        if rows is None:  # linear decoding after a partial acceptance: nothing to speculate
+            self.spec = []
+            return
+        if self.config.sampler:
+            z = step.hidden[rows]  # [k, d]
+            prev, spec = step.new_tokens[-1], []
+            for i in range(self.k):
+                prev = int(self.model.sampler_logits(torch.tensor(prev, device=z.device), z[i]).argmax())
+                spec.append(prev)
+            self.spec = spec
+        else:
+            self.spec = step.logits(rows).argmax(-1).tolist()

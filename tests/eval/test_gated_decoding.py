@@ -1,0 +1,82 @@
+"""Gated-LoRA linear and quadratic decoding through the shared decoder: token-identical to AR."""
+
+import pytest
+import torch
+
+from mtpkit.eval.decoder import Target, decode
+from mtpkit.models.drafter import Drafter
+from mtpkit.models.gated_drafter import GatedLoRADraftConfig, GatedLoRADrafter
+from tests.models.test_gated_lora import make_gated
+
+CONFIGS = [(d, s, k) for d in ("linear", "quadratic") for s in (False, True) for k in (0, 1, 2)]
+
+
+@pytest.fixture(scope="module")
+def gated(tiny):
+    return make_gated(tiny[0], k=3, rank=4, seed=5)
+
+
+@pytest.mark.parametrize("decoding,sampler,k", CONFIGS)
+def test_greedy_equals_ar(tiny, gated, decoding, sampler, k):
+    base, _ = tiny
+    ar_target = Target(base)
+    drafter = GatedLoRADrafter(GatedLoRADraftConfig(decoding=decoding, sampler=sampler, k=k), model=gated)
+    target = Target(*drafter.adapt(None, {}))
+    for seed in range(2):
+        prompt = torch.randint(5, 400, (6 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        want = decode(ar_target, Drafter(), prompt, 24).tokens
+        got = decode(target, drafter, prompt, 24)
+        assert got.tokens == want
+        assert got.draft_nodes > 0  # the masks did speculate
+
+
+class OracleGated(GatedLoRADrafter):
+    """Replaces the speculated tokens by the true continuation (corrupted at a seeded random
+    depth) whenever the real drafter speculates, so full and partial acceptances both happen
+    while the block bookkeeping (which masks follow the deepest accepted node) stays real."""
+
+    def __init__(self, truth, config, model, seed):
+        super().__init__(config, model)
+        self.truth, self.gen = truth, torch.Generator().manual_seed(seed)
+
+    def begin(self, target, prompt_ids):
+        super().begin(target, prompt_ids)
+        self.start = len(prompt_ids)
+
+    def propose(self, tokens):
+        if self.spec:
+            done = len(tokens) - self.start
+            spec = self.truth[done: done + len(self.spec)]
+            wrong = int(torch.randint(0, 2 * len(spec) + 1, (1,), generator=self.gen))
+            if wrong < len(spec):
+                spec[wrong] = (spec[wrong] + 1) % 400
+            self.spec = spec
+        return super().propose(tokens)
+
+
+@pytest.mark.parametrize("decoding", ["linear", "quadratic"])
+def test_acceptance_paths_with_an_oracle(tiny, gated, decoding):
+    base, _ = tiny
+    prompt = list(range(10, 18))
+    truth = decode(Target(base), Drafter(), prompt, 80).tokens
+    drafter = OracleGated(truth, GatedLoRADraftConfig(decoding=decoding, sampler=False), gated, seed=1)
+    target = Target(*drafter.adapt(None, {}))
+    got = decode(target, drafter, prompt, 80)
+    assert got.tokens == truth
+    assert got.tau > 1.5 and len(got.accept_counts) == 3  # long acceptances happened
+    assert got.accept_counts[0] < got.target_calls - 1     # and rejections too
+    if decoding == "quadratic":
+        # every step after the first carries k speculations: k fresh ones follow any acceptance
+        assert got.draft_nodes == 3 * (got.target_calls - 1)
+    else:
+        assert got.draft_nodes < 3 * (got.target_calls - 1)  # a partial acceptance leaves none
+
+
+def test_bad_options_are_clear(gated):
+    with pytest.raises(ValueError, match="decoding"):
+        GatedLoRADrafter(GatedLoRADraftConfig(decoding="cubic"), model=gated)
+    with pytest.raises(ValueError, match="head=DIR"):
+        GatedLoRADrafter(GatedLoRADraftConfig())
+    d = GatedLoRADrafter(GatedLoRADraftConfig(k=5), model=gated)
+    with pytest.raises(ValueError, match="trained with k=3"):
+        d.begin(None, [1, 2])

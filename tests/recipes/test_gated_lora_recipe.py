@@ -1,0 +1,165 @@
+"""The real train/gated_lora.py on a tiny model: accelerate (1 and 2 CPU processes), DeepSpeed
+ZeRO-2 on CPU, exact resume, export round trip, bad input."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mtpkit.data import distill
+from mtpkit.data.mtp import collate_mask_inputs, mask_inputs
+from mtpkit.models.backbone import load_backbone
+from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP, load_head
+from mtpkit.train import export, gated_lora
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--backbone", "tiny-llama-random", "--k", "2", "--rank", "4", "--max-length", "256", "--log-every", "1",
+        "--eval-prompts", "1", "--eval-max-new-tokens", "6"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "distilled.jsonl"
+    distill.main(["--backbone", "tiny-llama-random", "--data", "builtin", "--limit", "6", "--max-new-tokens", "12",
+                  "--out", str(out)])
+    return out
+
+
+def steps(metrics: Path) -> list[dict]:
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+
+
+def launch(args: list[str], tmp_path: Path, timeout=600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_DISABLE_RICH="1", PYTHONPATH="")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def assert_checkpoint(out: Path, step: int):
+    ckpt = out / f"checkpoint-{step}"
+    for name in ("config.yaml", "trainer_state.json", "head/adapter_model.safetensors", "head/mtp_head.safetensors",
+                 "head/mtpkit_config.json"):
+        assert (ckpt / name).is_file(), name
+    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == step
+    assert (ckpt / "state").is_dir() and any((ckpt / "state").iterdir())
+    assert "k: 2" in (ckpt / "config.yaml").read_text()
+
+
+def test_help_lists_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        gated_lora.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--config", "--backbone", "--data", "--output-dir", "--max-steps", "--grad-accum", "--k", "--rank",
+                 "--lcm-weight", "--eval-every", "--resume", "--mixed-precision"):
+        assert flag in text
+    assert "mask tokens appended after every loss-carrying token" in text  # docstrings become help
+
+
+def test_accelerate_launch_one_process(data, tmp_path):
+    out = tmp_path / "run"
+    launch(["--cpu", "--num_processes", "1", "train/gated_lora.py", *TINY, "--data", str(data),
+            "--output-dir", str(out), "--max-steps", "4", "--save-every", "4", "--eval-every", "4"], tmp_path)
+    assert_checkpoint(out, 4)
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert any("sim_tau" in r and r["sim_tau"] >= 1.0 for r in rows)
+
+
+def test_accelerate_two_cpu_processes(data, tmp_path):
+    out = tmp_path / "run"
+    # `--cpu --num_processes 2` would start ONE process in accelerate 1.x (see configs/accelerate/cpu_ddp.yaml)
+    proc = launch(["--config_file", "configs/accelerate/cpu_ddp.yaml", "train/gated_lora.py", *TINY, "--data", str(data),
+                   "--output-dir", str(out), "--max-steps", "4", "--save-every", "2", "--eval-every", "0"], tmp_path)
+    assert_checkpoint(out, 4)
+    assert len(steps(out / "metrics.jsonl")) == 4  # only the main process writes
+    assert proc.stdout.count("[model]") == 1 and "2 process(es), MULTI_CPU" in proc.stdout
+    state = out / "checkpoint-4" / "state"
+    assert (state / "random_states_0.pkl").is_file() and (state / "random_states_1.pkl").is_file()  # 2 ranks
+
+
+def test_deepspeed_zero2_two_processes_and_resume(data, tmp_path):
+    # no --cpu: accelerate would then drop DeepSpeed for plain DDP; the script gives DeepSpeed gloo
+    out = tmp_path / "run"
+    common = ["--config_file", "configs/accelerate/deepspeed_zero2.yaml", "--num_processes", "2",
+              "train/gated_lora.py", *TINY, "--data", str(data), "--output-dir", str(out), "--save-every", "2",
+              "--eval-every", "0"]
+    proc = launch([*common, "--max-steps", "2"], tmp_path)
+    assert "[deepspeed] ZeRO stage 2 on 2 process(es)" in proc.stdout + proc.stderr
+    assert_checkpoint(out, 2)
+    shards = sorted(p.name for p in (out / "checkpoint-2" / "state" / "pytorch_model").iterdir())
+    assert [s for s in shards if s.startswith("zero_pp_rank")] == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # sharded
+    proc = launch([*common, "--max-steps", "4", "--resume", "auto"], tmp_path)
+    assert "[resume]" in proc.stdout + proc.stderr
+    assert_checkpoint(out, 4)
+    assert [r["step"] for r in steps(out / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_resume_gives_the_same_losses(data, tmp_path):
+    common = [*TINY, "--data", str(data), "--eval-every", "0", "--save-every", "2", "--grad-accum", "2",
+              "--warmup-steps", "3"]
+    gated_lora.main([*common, "--output-dir", str(tmp_path / "a"), "--max-steps", "4"])
+    gated_lora.main([*common, "--output-dir", str(tmp_path / "b"), "--max-steps", "2"])
+    gated_lora.main([*common, "--output-dir", str(tmp_path / "b"), "--max-steps", "4", "--resume", "auto"])
+    a, b = steps(tmp_path / "a" / "metrics.jsonl"), steps(tmp_path / "b" / "metrics.jsonl")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b):
+        for key in ("loss", "base_mtp", "sampler_mtp", "lcm", "lr"):
+            assert x[key] == y[key], (x["step"], key)
+    assert a[3]["loss"] != a[2]["loss"]
+
+
+def test_export_round_trip(data, tmp_path):
+    run = tmp_path / "run"
+    gated_lora.main([*TINY, "--data", str(data), "--output-dir", str(run), "--max-steps", "3", "--eval-every", "0",
+                     "--lr", "0.05"])
+    folder = export.main(["--checkpoint", str(run), "--out", str(tmp_path / "export")])
+    card = (folder / "README.md").read_text()
+    assert "k = 2" in card and "tiny-llama-random" in card
+    base, _ = load_backbone("tiny-llama-random")
+    loaded = load_head(folder, copy.deepcopy(base)).eval()
+    # the trained model, rebuilt from the accelerate checkpoint's own weights
+    trained = GatedMTP(copy.deepcopy(base), GatedLoRAConfig(k=2, rank=4))
+    trained.load_state_dict(load_file(str(run / "checkpoint-3" / "state" / "model.safetensors")))
+    trained.eval()
+    assert not torch.equal(trained.mask_embeds, GatedMTP(copy.deepcopy(base), GatedLoRAConfig(k=2, rank=4)).mask_embeds)
+    ids = torch.arange(20, 34)
+    labels = torch.cat([torch.full((4,), -100), ids[5:], torch.tensor([-100])])
+    batch = collate_mask_inputs([mask_inputs(ids, labels, 2)])
+    args = (batch["input_ids"], batch["mask_index"], batch["position_ids"], batch["attention_mask"])
+    with torch.no_grad():
+        h1, h2 = trained.hidden_states(*args), loaded.hidden_states(*args)
+        assert torch.equal(trained.lm_head(h1), loaded.lm_head(h2))
+        assert torch.equal(trained.sampler_logits(batch["prev_ids"], h1), loaded.sampler_logits(batch["prev_ids"], h2))
+
+
+def test_broken_records_are_skipped_and_counted(data, tmp_path, capsys):
+    broken = tmp_path / "broken.jsonl"
+    lines = data.read_text().splitlines()
+    broken.write_text("\n".join(lines[:2] + ["{not json"] + lines[2:]) + "\n")
+    gated_lora.main([*TINY, "--data", str(broken), "--output-dir", str(tmp_path / "r"), "--max-steps", "1",
+                     "--eval-every", "0"])
+    err = capsys.readouterr()
+    text = err.out + err.err
+    assert "broken.jsonl" in text and "skipped 1" in text and "3" in text
+
+
+def test_config_errors_name_the_file_and_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_steps: 3\nmodel:\n  rnak: 4\n")
+    with pytest.raises(SystemExit):
+        gated_lora.parse_args(["--config", str(bad)])
+    with pytest.raises(SystemExit):
+        gated_lora.parse_args(["--k", "two"])
+    cfg = gated_lora.parse_args(["--config", str(ROOT / "configs/gated_lora/smollm2-135m_k4.yaml"), "--k", "2"])
+    assert cfg.model.k == 2 and cfg.max_steps == 600 and cfg.lr == 5e-4
+    paper = gated_lora.parse_args(["--config", str(ROOT / "configs/gated_lora/tulu3-8b_k8.yaml")])
+    assert (paper.model.k, paper.model.rank, paper.lr, paper.warmup_steps, paper.max_steps) == (8, 128, 2e-4, 5000, 50000)

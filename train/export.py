@@ -1,0 +1,139 @@
+"""Export a trained head as a folder you can push to the Hugging Face Hub and load again.
+
+    python train/export.py --checkpoint runs/gated_lora/k4 --out exports/smollm2-k4 \
+        --results runs/bench/results.json [--push-to-hub user/smollm2-135m-gated-lora-k4]
+
+--checkpoint is a checkpoint-N/ folder or a training output dir (its newest checkpoint).
+The folder holds the head's weights in safetensors (gated LoRA: the peft adapter
+`adapter_config.json` + `adapter_model.safetensors`, and `mtp_head.safetensors` with the mask
+embeddings and sampler), `mtpkit_config.json` (method, k, base model, settings, training
+steps) and a model card `README.md` with the measured tau table (from --results, a
+results.json of eval/bench.py). Load it with `mtpkit.models.gated_lora.load_head(folder, base)`
+or benchmark it with `eval/bench.py --methods gated_lora:head=FOLDER`.
+--push-to-hub uploads the folder with huggingface_hub (token from HF_TOKEN or the login
+cache); without network it says so and keeps the folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from mtpkit.models.gated_lora import HEAD_CONFIG
+from mtpkit.train.gated_lora import latest_checkpoint
+
+HEAD_FILES = {  # method -> files of its head folder
+    "gated_lora": ["adapter_config.json", "adapter_model.safetensors", "mtp_head.safetensors", HEAD_CONFIG],
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="checkpoint-N/ folder, or a run's output dir (newest checkpoint)")
+    p.add_argument("--out", required=True, help="export folder (created; existing head files are replaced)")
+    p.add_argument("--results", help="eval/bench.py results.json whose tau table goes into the model card")
+    p.add_argument("--push-to-hub", metavar="REPO", help="upload the folder to this Hub repo (user/name)")
+    p.add_argument("--private", action="store_true", help="create the Hub repo private")
+    return p.parse_args(argv)
+
+
+def find_head(path: Path) -> Path:
+    if (path / "head" / HEAD_CONFIG).is_file():
+        return path / "head"
+    if (path / HEAD_CONFIG).is_file():
+        return path
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"--checkpoint {path}: no head/ folder and no checkpoint-N/ inside")
+    return ckpt / "head"
+
+
+def model_card(config: dict, results: dict | None, trainer: dict, train_config: str) -> str:
+    from mtpkit.eval.report import markdown_table
+
+    base = config["base_model"]
+    lines = ["---", f"base_model: {base}" if "/" in base else f"# base model: {base}", "library_name: peft",
+             "tags: [mtpkit, speculative-decoding, multi-token-prediction, gated-lora]", "---", "",
+             f"# Gated-LoRA mask-token MTP head (k = {config['k']}) for {base}", "",
+             "Trained with [mtpkit](https://github.com/) `train/gated_lora.py` (Samragh et al., \"Your LLM Knows "
+             "the Future\"): k mask tokens, LoRA gated on only at mask positions (the base model's next-token "
+             "outputs are unchanged, bit for bit), a sampler MLP, base + sampler cross-entropy and the "
+             "latent-consistency loss. Decoding is lossless: every token is verified by the base model.", "",
+             "## Settings", "", "```json", json.dumps(config["gated_lora"], indent=1), "```", ""]
+    if trainer:
+        lines += [f"Trained for {trainer.get('step')} steps on {trainer.get('tokens_seen')} sequence tokens.", ""]
+    if results:
+        cfg = results.get("config", {})
+        lines += ["## Measured acceptance (tau) and speed-up", "",
+                  f"`eval/bench.py` on {', '.join(map(str, cfg.get('data', [])))}, {cfg.get('max_new_tokens')} new "
+                  f"tokens per prompt, temperature {cfg.get('temperature')}; tau = tokens per target call, speed-up "
+                  "= tokens/s against plain autoregressive decoding in the same run.", "", markdown_table(results)]
+    else:
+        lines += ["No benchmark attached (export with --results results.json to add the tau table).", ""]
+    lines += ["## Use", "", "```python", "from mtpkit.models.backbone import load_backbone",
+              "from mtpkit.models.gated_lora import load_head", f"model, tokenizer = load_backbone({base!r})",
+              "mtp = load_head('path/to/this/folder', model)", "```", "",
+              "```bash", "python eval/bench.py --methods ar gated_lora:head=path/to/this/folder,decoding=quadratic",
+              "```", ""]
+    if train_config:
+        lines += ["## Training config", "", "```yaml", train_config.strip(), "```", ""]
+    return "\n".join(lines)
+
+
+def push(folder: Path, repo: str, private: bool) -> str:
+    from huggingface_hub import HfApi
+
+    from mtpkit.models.backbone import _hub_reachable
+
+    if not _hub_reachable():
+        raise ConnectionError(f"--push-to-hub {repo}: the Hugging Face Hub is unreachable (offline); the export "
+                              f"is kept in {folder}: push it later with `huggingface-cli upload {repo} {folder}`")
+    api = HfApi()
+    api.create_repo(repo, private=private, exist_ok=True)
+    return api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="mtpkit export").commit_url
+
+
+def main(argv=None) -> Path:
+    args = parse_args(argv)
+    try:
+        head = find_head(Path(args.checkpoint))
+    except FileNotFoundError as e:
+        sys.exit(f"export: {e}")
+    config = json.loads((head / HEAD_CONFIG).read_text())
+    method = config.get("method")
+    if method not in HEAD_FILES:
+        sys.exit(f"export: {head / HEAD_CONFIG}: unknown method {method!r}; known: {', '.join(HEAD_FILES)}")
+    missing = [f for f in HEAD_FILES[method] if not (head / f).is_file()]
+    if missing:
+        sys.exit(f"export: {head} lacks {missing}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in HEAD_FILES[method]:
+        shutil.copyfile(head / name, out / name)
+    trainer_file = head.parent / "trainer_state.json"
+    trainer = json.loads(trainer_file.read_text()) if trainer_file.is_file() else {}
+    if trainer:
+        config["trained_steps"] = trainer["step"]
+        (out / HEAD_CONFIG).write_text(json.dumps(config, indent=1))
+    results = None
+    if args.results:
+        try:
+            results = json.loads(Path(args.results).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            sys.exit(f"export: --results {args.results}: {e}")
+    train_config = (head.parent / "config.yaml").read_text() if (head.parent / "config.yaml").is_file() else ""
+    (out / "README.md").write_text(model_card(config, results, trainer, train_config))
+    print(f"[export] {head} -> {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
+    if args.push_to_hub:
+        try:
+            print(f"[export] pushed: {push(out, args.push_to_hub, args.private)}")
+        except ConnectionError as e:
+            sys.exit(f"export: {e}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
