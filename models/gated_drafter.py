@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpkit.models.drafter import Draft, Drafter, StepOutput
-from mtpkit.models.gated_lora import GatedMTP, load_head
+from mtpkit.models.gated_lora import GatedMTP, load_head, to_inference
 
 DECODINGS = ("linear", "quadratic")
 
@@ -59,8 +59,8 @@ class GatedLoRADrafter(Drafter):
         """A copy of `model` carrying the gated adapter (one copy per head folder), and its gate."""
         if self.model is None:
             key = ("gated_lora", self.config.head)
-            if key not in shared:
-                shared[key] = load_head(self.config.head, copy.deepcopy(model))
+            if key not in shared:  # decoding only: the lean gated linears (`to_inference`)
+                shared[key] = to_inference(load_head(self.config.head, copy.deepcopy(model)))
             self.model = shared[key]
         if self.config.sampler and self.model.sampler is None:
             raise ValueError(f"gated_lora: sampler=1 but {self.config.head} has no sampler head")

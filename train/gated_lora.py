@@ -2,7 +2,8 @@
 
     accelerate launch train/gated_lora.py --config configs/gated_lora/smollm2-135m_k4.yaml \
         --data runs/distilled.jsonl --output-dir runs/gated_lora/k4 --max-steps 600
-    accelerate launch --cpu --num_processes 2 train/gated_lora.py ...       # 2-process CPU (gloo)
+    accelerate launch --config_file configs/accelerate/cpu_ddp.yaml train/gated_lora.py ...  # 2 CPU processes
+    torchrun --nproc_per_node 2 train/gated_lora.py ...                     # the same, with torchrun
     accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml train/gated_lora.py ...
     python train/gated_lora.py ...                                          # one process
 
@@ -147,8 +148,13 @@ def micro_batch(features, step: int, rank: int, world: int, batch_size: int, see
 
 def eval_prompts(cfg: TrainConfig, tokenizer, train_examples_text: set[str]) -> list[list[int]]:
     examples, _ = load_examples(cfg.eval_data)
-    held_out = [ex for ex in examples if ex.messages[0]["content"] not in train_examples_text]
-    return [prompt_ids(tokenizer, ex.messages) for ex in held_out[: cfg.eval_prompts]]
+    by_category: dict[str, list] = {}
+    for ex in examples:
+        if ex.messages[0]["content"] not in train_examples_text:
+            by_category.setdefault(ex.category, []).append(ex)
+    # round-robin over categories, so a few prompts still cover code, math, chat, ...
+    chosen = [ex for group in zip(*by_category.values()) for ex in group][: cfg.eval_prompts]
+    return [prompt_ids(tokenizer, ex.messages) for ex in chosen]
 
 
 @torch.no_grad()
@@ -222,7 +228,10 @@ def main(argv=None) -> dict:
         ds["train_batch_size"] = cfg.batch_size * cfg.grad_accum * accelerator.num_processes
         log(f"[deepspeed] ZeRO stage {ds.get('zero_optimization', {}).get('stage')} on {accelerator.num_processes} "
             f"process(es)")
-    mtp, optimizer, scheduler = accelerator.prepare(mtp, optimizer, scheduler)
+    mtp, optimizer = accelerator.prepare(mtp, optimizer)
+    # the schedule counts optimizer steps; a prepared scheduler would advance num_processes times
+    # per step (accelerate's convention), so it is stepped here and only checkpointed by accelerate
+    accelerator.register_for_checkpointing(scheduler)
 
     step, micro, tokens_seen = 0, 0, 0
     resume = latest_checkpoint(out) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume else None)
@@ -251,7 +260,8 @@ def main(argv=None) -> dict:
             if accelerator.sync_gradients and cfg.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(trainable, cfg.max_grad_norm)
             optimizer.step()
-            scheduler.step()
+            if accelerator.sync_gradients:
+                scheduler.step()
             optimizer.zero_grad()
         micro += 1
         window["slots"] += sum(s["input_ids"].numel() for s in slots)  # NTP + mask positions

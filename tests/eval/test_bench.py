@@ -62,3 +62,37 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path):
     assert methods["hf_ar"]["tau"] is None
     assert (out.parent / "results.md").read_text().count("| probe:bc=10 |") == 2
     assert (out.parent / "results.png").stat().st_size > 1000
+
+
+def test_bench_runs_a_gated_lora_head(tmp_path):
+    import copy
+
+    import torch
+
+    from mtpkit.models.backbone import load_backbone
+    from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP, save_head
+
+    base, _ = load_backbone("tiny-llama-random")
+    head = GatedMTP(copy.deepcopy(base), GatedLoRAConfig(k=2, rank=4))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    save_head(head, tmp_path / "head", "tiny-llama-random")
+    out = tmp_path / "r" / "results.json"
+    specs = [f"gated_lora:head={tmp_path / 'head'},decoding=linear",
+             f"gated_lora:head={tmp_path / 'head'},decoding=quadratic,sampler=0,k=1"]
+    bench.main(["--backbone", "tiny-llama-random", "--data", "builtin:eval", "--per-category", "1",
+                "--max-new-tokens", "12", "--methods", *specs, "--out", str(out)])
+    methods = json.loads(out.read_text())["methods"]
+    assert list(methods) == ["ar", *specs]
+    for spec in specs:
+        assert methods[spec]["matches_ar"] is True
+        assert methods[spec]["target_calls"] >= 4  # one per prompt at least, 4 categories
+
+
+def test_bench_rejects_a_missing_head(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--backbone", "tiny-llama-random", "--data", "builtin:eval", "--per-category", "1",
+                    "--methods", f"gated_lora:head={tmp_path / 'nothing'}", "--out", str(tmp_path / "r.json")])
+    assert "mtpkit_config.json" in str(e.value)

@@ -1,5 +1,7 @@
 """Gated-LoRA linear and quadratic decoding through the shared decoder: token-identical to AR."""
 
+import copy
+
 import pytest
 import torch
 
@@ -80,3 +82,31 @@ def test_bad_options_are_clear(gated):
     d = GatedLoRADrafter(GatedLoRADraftConfig(k=5), model=gated)
     with pytest.raises(ValueError, match="trained with k=3"):
         d.begin(None, [1, 2])
+
+
+@torch.no_grad()
+def test_inference_form_matches_the_peft_form(tiny, tmp_path):
+    from mtpkit.data.mtp import collate_mask_inputs, mask_inputs
+    from mtpkit.models.gated_lora import GatedLoRALinear, load_head, save_head, to_inference
+    base, _ = tiny
+    trained = make_gated(base, k=3, rank=4, seed=7)
+    save_head(trained, tmp_path, "tiny-llama-random")
+    lean = to_inference(load_head(tmp_path, copy.deepcopy(base)))
+    assert sum(isinstance(m, GatedLoRALinear) for m in lean.modules()) == 2 * 7
+    ids = torch.arange(30, 44)
+    labels = torch.cat([torch.full((4,), -100), ids[5:], torch.tensor([-100])])
+    batch = collate_mask_inputs([mask_inputs(ids, labels, 3)])
+    args = (batch["input_ids"], batch["mask_index"], batch["position_ids"], batch["attention_mask"])
+    a, b = trained.hidden_states(*args), lean.hidden_states(*args)  # scattered gate rows: the general path
+    ntp = batch["mask_index"] == 0
+    assert torch.equal(a[ntp], b[ntp])
+    assert torch.allclose(a, b, atol=1e-5)
+    # decoding (a contiguous gated suffix): same tokens as AR, and the same speculations as the peft form
+    prompt = list(range(50, 58))
+    for decoding in ("linear", "quadratic"):
+        outs = []
+        for model in (trained, lean):
+            drafter = GatedLoRADrafter(GatedLoRADraftConfig(decoding=decoding), model=model)
+            outs.append(decode(Target(*drafter.adapt(None, {})), drafter, prompt, 20))
+        assert outs[0].tokens == outs[1].tokens == decode(Target(base), Drafter(), prompt, 20).tokens
+        assert outs[0].accept_counts == outs[1].accept_counts
