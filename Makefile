@@ -26,14 +26,16 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 # training-free probe and the gated-LoRA head (linear and quadratic decoding) through the shared
 # speculative decoder on held-out built-in prompts.
 DEMO := $(RUNS)/demo
+# the demo's backbone (tiny-llama-random runs the whole pipeline in a minute, to check the wiring)
+DEMO_BACKBONE ?= smollm2-135m-instruct
 demo: $(STAMP)
-	$(PY) data/distill.py --backbone smollm2-135m-instruct --data builtin:train --limit 64 \
+	$(PY) data/distill.py --backbone $(DEMO_BACKBONE) --data builtin:train --limit 64 \
 		--max-new-tokens 48 --batch-size 8 --out $(DEMO)/distilled.jsonl --show 2
-	$(PY) train/gated_lora.py --config configs/gated_lora/smollm2-135m_k4.yaml --data $(DEMO)/distilled.jsonl \
+	$(PY) train/gated_lora.py --config configs/gated_lora/smollm2-135m_k4.yaml --backbone $(DEMO_BACKBONE) --data $(DEMO)/distilled.jsonl \
 		--output-dir $(DEMO)/gated_lora --k 2 --max-steps 80 --grad-accum 1 --lr 1e-3 --max-length 160 \
 		--save-every 80 --eval-every 40 --eval-prompts 2 --resume auto
 	$(PY) train/export.py --checkpoint $(DEMO)/gated_lora --out $(DEMO)/export
-	$(PY) eval/bench.py --backbone smollm2-135m-instruct --data builtin:eval --per-category 2 \
+	$(PY) eval/bench.py --backbone $(DEMO_BACKBONE) --data builtin:eval --per-category 2 \
 		--max-new-tokens 48 --out $(DEMO)/bench/results.json --methods ar pld probe:bc=10 \
 		gated_lora:head=$(DEMO)/export,decoding=linear gated_lora:head=$(DEMO)/export,decoding=quadratic
 	$(PY) train/export.py --checkpoint $(DEMO)/gated_lora --out $(DEMO)/export --results $(DEMO)/bench/results.json

@@ -22,9 +22,11 @@ import torch
 from mtpkit.data.chat import IGNORE
 
 
-def mask_inputs(input_ids: torch.Tensor, labels: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
-    """Figure-4 slots of one sequence. input_ids, labels: [n] (labels already shifted: labels[t]
-    is the target of position t). Returns [T] tensors, T = n + k * (number of loss tokens):
+def mask_inputs(input_ids: torch.Tensor, token_labels: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Figure-4 slots of one sequence. input_ids, token_labels: [n], the labels in the Hugging Face
+    convention of `tokenize_chat` (token_labels[t] = x[t] where x[t] is a token to learn, else
+    IGNORE; the model predicts x[t+1] at position t). Returns [T] tensors with labels SHIFTED
+    (the target of each slot), T = n + k * (number of loss-carrying positions):
 
     input_ids (0 at masks), mask_index (0 = NTP, i = mask i), position_ids, labels, anchor (the
     position a slot sees up to: t for NTP t and for the masks anchored at t), prev_ids (the
@@ -32,6 +34,7 @@ def mask_inputs(input_ids: torch.Tensor, labels: torch.Tensor, k: int) -> dict[s
     NTP token at the same position: the latent-consistency anchor).
     """
     n = input_ids.numel()
+    labels = torch.cat([token_labels[1:], token_labels.new_full((1,), IGNORE)])  # labels[t]: target of t
     has_masks = labels != IGNORE                                     # [n]
     before = torch.cumsum(has_masks.long(), 0) - has_masks.long()    # anchors strictly before t
     ntp_slot = torch.arange(n) + k * before                          # [n] slot of NTP token t

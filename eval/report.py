@@ -144,3 +144,36 @@ def write_plot(results: dict, path: Path) -> None:
     fig.tight_layout(rect=(0, 0, 1, 0.9))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_training_plot(metrics_file: Path, path: Path) -> None:
+    """Loss parts, per-mask top-1 accuracy and the simulated tau against the step, from a
+    training run's metrics.jsonl."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(metrics_file).read_text().splitlines() if line.strip()]
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "sim_tau" in r]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for key in ("loss", "base_ntp", "base_mtp", "sampler_ntp", "sampler_mtp", "lcm"):
+        if any(key in r for r in train):
+            axes[0].plot([r["step"] for r in train if key in r], [r[key] for r in train if key in r], label=key)
+    axes[0].set_title("losses")
+    accs = sorted({k for r in train for k in r if k.startswith("acc_m")}, key=lambda k: int(k[5:]))
+    for key in accs:
+        axes[1].plot([r["step"] for r in train if key in r], [r[key] for r in train if key in r], label=key)
+    axes[1].set_title("top-1 accuracy of mask i (base head)")
+    axes[2].plot([r["step"] for r in evals], [r["sim_tau"] for r in evals], marker="o")
+    axes[2].set_title("simulated tau (held-out prompts)")
+    for ax in axes:
+        ax.set_xlabel("step")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -58,25 +58,20 @@ class Gate:
     def __init__(self):
         self.rows: torch.Tensor | None = None  # flat indices of gated rows
         self.shape: torch.Size | None = None   # [B, T] of the forward
+        self.span: tuple[int, int] | None = None  # (start, end) if the rows of a batch-1 forward are one run
 
     @contextlib.contextmanager
     def __call__(self, gate: torch.Tensor):
         """gate: [B, T] bool, True where the adapter is on (mask tokens)."""
-        previous = self.rows, self.shape
-        self.rows, self.shape = gate.reshape(-1).nonzero().squeeze(1), gate.shape
+        previous = self.rows, self.shape, self.span
+        self.rows, self.shape, self.span = gate.reshape(-1).nonzero().squeeze(1), gate.shape, None
+        if gate.shape[0] == 1 and self.rows.numel():  # decoding: the gated masks are the suffix
+            start, end = int(self.rows[0]), int(self.rows[-1]) + 1
+            self.span = (start, end) if end - start == self.rows.numel() else None
         try:
             yield
         finally:
-            self.rows, self.shape = previous
-
-    @property
-    def span(self) -> tuple[int, int] | None:
-        """(start, end) when the gated rows of a batch-1 forward are one contiguous run (decoding)."""
-        rows = self.rows
-        if rows is None or not rows.numel() or self.shape[0] != 1:
-            return None
-        start, end = int(rows[0]), int(rows[-1]) + 1
-        return (start, end) if end - start == rows.numel() else None
+            self.rows, self.shape, self.span = previous
 
     def select(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, d] -> [n_gated, d]
         if self.rows is None:
@@ -160,7 +155,6 @@ def to_inference(model: "GatedMTP") -> "GatedMTP":
         lean = GatedLoRALinear(module.base_layer, module.lora_A[adapter].weight, module.lora_B[adapter].weight,
                                module.scaling[adapter], model.gate)
         setattr(root.get_submodule(parent_name) if parent_name else root, child, lean)
-    model.inference = True
     return model.eval()
 
 
@@ -233,7 +227,7 @@ class GatedMTP(nn.Module):
     def state_dict(self, *args, **kwargs):
         state = super().state_dict(*args, **kwargs)
         prefix = kwargs.get("prefix", "")
-        frozen = {prefix + n for n, p in self.named_parameters() if not p.requires_grad}
+        frozen = {prefix + n for n, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad}
         return type(state)((k, v) for k, v in state.items() if k not in frozen)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

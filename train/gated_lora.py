@@ -12,8 +12,8 @@ frozen backbone with LoRA gated on at mask positions, base + sampler cross-entro
 latent-consistency loss, backward into LoRA, mask embeddings and sampler only.
 Writes to --output-dir: config.yaml (resolved), metrics.jsonl (every --log-every steps, plus
 `sim_tau` every --eval-every steps: acceptance length of real speculative decoding on held-out
-prompts), checkpoint-N/ (accelerate state + trainer_state.json + config.yaml + head/, the
-loadable head), tensorboard/ with --tensorboard 1. `--resume auto` continues from the newest
+prompts), metrics.png (the same as curves, at the end), checkpoint-N/ (accelerate state +
+trainer_state.json + config.yaml + head/, the loadable head), tensorboard/ with --tensorboard 1. `--resume auto` continues from the newest
 checkpoint with the same losses as an uninterrupted run.
 """
 
@@ -35,6 +35,7 @@ from tqdm import tqdm
 from mtpkit.data.chat import DataError, load_examples, prompt_ids, tokenize_chat
 from mtpkit.data.mtp import collate_mask_inputs, mask_inputs
 from mtpkit.eval.decoder import Target, decode
+from mtpkit.eval.report import write_training_plot
 from mtpkit.models.backbone import DEFAULT_BACKBONE, load_backbone
 from mtpkit.models.gated_drafter import DECODINGS, GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP, save_head
@@ -306,6 +307,8 @@ def main(argv=None) -> dict:
         if step % cfg.save_every == 0 or step == cfg.max_steps:
             save_checkpoint(accelerator, mtp, cfg, out / f"checkpoint-{step}", step, micro, tokens_seen, command)
     bar.close()
+    if main_process and metrics_file.is_file():
+        write_training_plot(metrics_file, out / "metrics.png")
     accelerator.end_training()
     return result
 

@@ -32,12 +32,14 @@ def reference(ids: list[int], labels: list[int], k: int):
 
 def test_mask_inputs_match_brute_force():
     ids = [11, 12, 13, 14, 15, 16, 17, 18, 19]
-    # prompt of 3 tokens (positions 0-1 carry no loss; position 2 predicts the first answer token),
-    # answer to the end; the last position has nothing to predict
+    # prompt of 3 tokens, answer to the end (labels in the Hugging Face convention: on the answer
+    # tokens themselves); shifted, positions 0-1 carry no loss, position 2 predicts the first answer
+    # token and the last position has nothing to predict
+    token_labels = [IGNORE] * 3 + ids[3:]
     labels = [IGNORE, IGNORE] + ids[3:] + [IGNORE]
     for k in (1, 2, 3):
         slots, allowed = reference(ids, labels, k)
-        got = mask_inputs(torch.tensor(ids), torch.tensor(labels), k)
+        got = mask_inputs(torch.tensor(ids), torch.tensor(token_labels), k)
         assert got["input_ids"].tolist() == [s["token"] for s in slots]
         assert got["mask_index"].tolist() == [s["i"] for s in slots]
         assert got["position_ids"].tolist() == [s["pos"] for s in slots]
@@ -54,9 +56,10 @@ def test_mask_inputs_match_brute_force():
 
 def test_masks_only_after_loss_tokens_and_lengths():
     ids = torch.arange(20, 30)
-    labels = torch.full((10,), IGNORE)
-    labels[6:9] = ids[7:10]
-    got = mask_inputs(ids, labels, 4)
+    token_labels = torch.full((10,), IGNORE)
+    token_labels[7:10] = ids[7:10]
+    labels = torch.cat([token_labels[1:], torch.tensor([IGNORE])])
+    got = mask_inputs(ids, token_labels, 4)
     assert got["input_ids"].numel() == 10 + 4 * 3
     assert (got["mask_index"] > 0).sum() == 12
     ntp = got["mask_index"] == 0
@@ -64,8 +67,23 @@ def test_masks_only_after_loss_tokens_and_lengths():
     assert got["labels"][ntp].tolist() == labels.tolist()
 
 
+def test_labels_follow_tokenize_chat(tiny):
+    """End to end from a chat: NTP slots predict the NEXT token, and only answer tokens."""
+    from mtpkit.data.chat import tokenize_chat
+    _, tokenizer = tiny
+    feat = tokenize_chat(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello you"}])
+    ids, token_labels = torch.tensor(feat["input_ids"]), torch.tensor(feat["labels"])
+    got = mask_inputs(ids, token_labels, 2)
+    ntp = got["mask_index"] == 0
+    learned = got["labels"][ntp] != IGNORE
+    first = int((token_labels != IGNORE).nonzero()[0])
+    assert learned.nonzero()[0] == first - 1  # the last prompt token predicts the first answer token
+    assert torch.equal(got["labels"][ntp][learned], ids[learned.nonzero().squeeze(1) + 1])
+    assert (got["labels"][~ntp][got["labels"][~ntp] != IGNORE] == got["prev_ids"][~ntp][got["labels"][~ntp] != IGNORE]).sum() < learned.sum()
+
+
 def test_collate_pads_without_empty_rows():
-    a = mask_inputs(torch.arange(5), torch.tensor([IGNORE, 2, 3, 4, IGNORE]), 2)
+    a = mask_inputs(torch.arange(5), torch.tensor([IGNORE, IGNORE, 2, 3, 4]), 2)
     b = mask_inputs(torch.arange(3), torch.tensor([IGNORE, IGNORE, IGNORE]), 2)
     batch = collate_mask_inputs([a, b])
     T = a["input_ids"].numel()

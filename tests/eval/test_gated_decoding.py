@@ -94,7 +94,7 @@ def test_inference_form_matches_the_peft_form(tiny, tmp_path):
     lean = to_inference(load_head(tmp_path, copy.deepcopy(base)))
     assert sum(isinstance(m, GatedLoRALinear) for m in lean.modules()) == 2 * 7
     ids = torch.arange(30, 44)
-    labels = torch.cat([torch.full((4,), -100), ids[5:], torch.tensor([-100])])
+    labels = torch.cat([torch.full((5,), -100), ids[5:]])
     batch = collate_mask_inputs([mask_inputs(ids, labels, 3)])
     args = (batch["input_ids"], batch["mask_index"], batch["position_ids"], batch["attention_mask"])
     a, b = trained.hidden_states(*args), lean.hidden_states(*args)  # scattered gate rows: the general path

@@ -24,8 +24,8 @@ def make_gated(base, k=3, rank=4, seed=0, **kw) -> GatedMTP:
 def batch_of(n=14, prompt=4, k=3, seed=0):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, 300, (n,), generator=gen)
-    labels = torch.cat([torch.full((prompt - 1,), IGNORE), ids[prompt:], torch.tensor([IGNORE])])
-    return collate_mask_inputs([mask_inputs(ids, labels, k)]), ids
+    token_labels = torch.cat([torch.full((prompt,), IGNORE), ids[prompt:]])  # Hugging Face convention
+    return collate_mask_inputs([mask_inputs(ids, token_labels, k)]), ids
 
 
 @torch.no_grad()
@@ -118,3 +118,14 @@ def test_head_save_load_round_trip(tiny, tmp_path):
     assert torch.equal(a, b)
     assert torch.equal(mtp.sampler_logits(batch["prev_ids"], a), loaded.sampler_logits(batch["prev_ids"], b))
     assert loaded.config == mtp.config
+
+
+def test_state_dict_holds_only_trainable_tensors(tiny):
+    """Checkpoints skip the frozen backbone, tied embeddings included (both of their names)."""
+    mtp = make_gated(tiny[0])
+    trainable = {n for n, p in mtp.named_parameters() if p.requires_grad}
+    assert set(mtp.state_dict()) == trainable
+    assert any("lora_A" in n for n in trainable) and "mask_embeds" in trainable
+    fresh = make_gated(tiny[0], seed=9)
+    fresh.load_state_dict(mtp.state_dict())
+    assert torch.equal(fresh.mask_embeds, mtp.mask_embeds)

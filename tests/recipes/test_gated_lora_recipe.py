@@ -132,7 +132,7 @@ def test_export_round_trip(data, tmp_path):
     trained.eval()
     assert not torch.equal(trained.mask_embeds, GatedMTP(copy.deepcopy(base), GatedLoRAConfig(k=2, rank=4)).mask_embeds)
     ids = torch.arange(20, 34)
-    labels = torch.cat([torch.full((4,), -100), ids[5:], torch.tensor([-100])])
+    labels = torch.cat([torch.full((5,), -100), ids[5:]])
     batch = collate_mask_inputs([mask_inputs(ids, labels, 2)])
     args = (batch["input_ids"], batch["mask_index"], batch["position_ids"], batch["attention_mask"])
     with torch.no_grad():
