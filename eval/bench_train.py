@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from mtpkit.data.chat import load_examples, tokenize_chat
+from mtpkit.data.chat import IGNORE, load_examples, tokenize_chat
 from mtpkit.data.mtp import collate_mask_inputs, mask_inputs
 from mtpkit.models.backbone import DEFAULT_BACKBONE, load_backbone
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP
@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     seqs = []
     for ex in examples:
         f = tokenize_chat(tokenizer, ex.messages, max_length=args.max_length)
-        if sum(y != -100 for y in f["labels"]) >= 16:
+        if sum(y != IGNORE for y in f["labels"]) >= 16:
             seqs.append((torch.tensor(f["input_ids"]), torch.tensor(f["labels"])))
     seqs = seqs[: args.steps + 1]
     if len(seqs) < 2:

@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mtpkit.data.chat import DataError, load_examples, prompt_ids, tokenize_chat
+from mtpkit.data.chat import IGNORE, DataError, load_examples, prompt_ids, tokenize_chat
 from mtpkit.data.mtp import collate_mask_inputs, mask_inputs
 from mtpkit.eval.decoder import Target, decode
 from mtpkit.eval.report import write_training_plot
-from mtpkit.models.backbone import DEFAULT_BACKBONE, load_backbone
+from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
 from mtpkit.models.gated_drafter import DECODINGS, GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP, save_head
 from mtpkit.train.config import ConfigError, add_config_args, resolve, to_yaml
@@ -115,8 +115,9 @@ def parse_args(argv=None) -> TrainConfig:
     return cfg
 
 
-def build_features(cfg: TrainConfig, tokenizer, log) -> list[dict]:
-    """Tokenised training sequences; records without an assistant token to learn are counted."""
+def build_features(cfg: TrainConfig, tokenizer, log) -> tuple[list[dict], set[str]]:
+    """Tokenised training sequences (records without an assistant token to learn are counted),
+    and the first message of every record (so the simulated tau can leave those prompts out)."""
     examples, report = load_examples(cfg.data)
     if report.skipped:
         log(f"[data] {report.summary()}")
@@ -124,7 +125,7 @@ def build_features(cfg: TrainConfig, tokenizer, log) -> list[dict]:
     for ex in examples:
         feat = tokenize_chat(tokenizer, ex.messages, max_length=cfg.max_length)
         labels = torch.tensor(feat["labels"])
-        if not (labels != -100).any():
+        if not (labels != IGNORE).any():
             empty += 1
             continue
         features.append({"input_ids": torch.tensor(feat["input_ids"]), "labels": labels})
@@ -132,7 +133,7 @@ def build_features(cfg: TrainConfig, tokenizer, log) -> list[dict]:
         log(f"[data] {cfg.data}: skipped {empty} record(s) with no assistant token within --max-length")
     if not features:
         raise DataError(f"{cfg.data}: no training sequence with an assistant answer")
-    return features
+    return features, {ex.messages[0]["content"] for ex in examples}
 
 
 def micro_batch(features, step: int, rank: int, world: int, batch_size: int, seed: int) -> list[dict]:
@@ -205,11 +206,9 @@ def main(argv=None) -> dict:
         accelerator.init_trackers("tensorboard", config=_flat(dataclasses.asdict(cfg)))
 
     base, tokenizer = load_backbone(cfg.backbone, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
-    from mtpkit.models.backbone import eos_token_ids
     eos = eos_token_ids(base, tokenizer)
     try:
-        features = build_features(cfg, tokenizer, log)
-        train_text = {ex.messages[0]["content"] for ex in load_examples(cfg.data)[0]}
+        features, train_text = build_features(cfg, tokenizer, log)
         prompts = eval_prompts(cfg, tokenizer, train_text) if cfg.eval_every else []
     except DataError as e:
         sys.exit(f"gated_lora: {e}")
