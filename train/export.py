@@ -9,7 +9,9 @@ The folder holds the head's weights in safetensors (gated LoRA: the peft adapter
 embeddings and sampler), `mtpkit_config.json` (method, k, base model, settings, training
 steps) and a model card `README.md` with the measured tau table (from --results, a
 results.json of eval/bench.py). Load it with `mtpkit.models.gated_lora.load_head(folder, base)`
-or benchmark it with `eval/bench.py --methods gated_lora:head=FOLDER`.
+or benchmark it with `eval/bench.py --methods gated_lora:head=FOLDER`. MTPC heads
+(train/mtpc.py) export `head.safetensors` (circuit head + draft-layer LoRA) and the config;
+load them with `mtpkit.models.mtpc.load_head(folder, backbone)`.
 --push-to-hub uploads the folder with huggingface_hub (token from HF_TOKEN or the login
 cache); without network it says so and keeps the folder.
 """
@@ -27,6 +29,7 @@ from mtpkit.train.gated_lora import latest_checkpoint
 
 HEAD_FILES = {  # method -> files of its head folder
     "gated_lora": ["adapter_config.json", "adapter_model.safetensors", "mtp_head.safetensors", HEAD_CONFIG],
+    "mtpc": ["head.safetensors", HEAD_CONFIG],
 }
 
 
@@ -48,23 +51,41 @@ def find_head(path: Path) -> Path:
     ckpt = latest_checkpoint(path)
     if ckpt is None:
         raise FileNotFoundError(f"--checkpoint {path}: no head/ folder and no checkpoint-N/ inside")
-    return ckpt / "head"
+    return ckpt / "head" if (ckpt / "head" / HEAD_CONFIG).is_file() else ckpt
+
+
+def _describe(config: dict) -> tuple[str, str, dict, str]:
+    """(title, paragraph, settings, loader) of a head's model card, by method."""
+    base = config["base_model"]
+    if config["method"] == "mtpc":
+        settings = {k: config[k] for k in ("arch", "n", "r", "lora_layers", "lora_rank", "lora_alpha") if k in config}
+        return (f"MTPC {config['arch']} circuit head (n = {config['n']}, r = {config['r']}) for {base}",
+                "Trained with mtpkit `train/mtpc.py` (MTPC, \"Fast and Expressive Multi-Byte Prediction with "
+                "Probabilistic Circuits\"): a probabilistic circuit over the next n bytes parameterised by the "
+                "backbone's hidden state, optionally on a LoRA copy of its last layers. Decoding is lossless: "
+                "every byte is verified by the base model.", settings,
+                "from mtpkit.models.mtpc import load_head\nhead = load_head('path/to/this/folder', model)")
+    return (f"Gated-LoRA mask-token MTP head (k = {config['k']}) for {base}",
+            "Trained with [mtpkit](https://github.com/) `train/gated_lora.py` (Samragh et al., \"Your LLM Knows "
+            "the Future\"): k mask tokens, LoRA gated on only at mask positions (the base model's next-token "
+            "outputs are unchanged, bit for bit), a sampler MLP, base + sampler cross-entropy and the "
+            "latent-consistency loss. Decoding is lossless: every token is verified by the base model.",
+            config["gated_lora"], "from mtpkit.models.gated_lora import load_head\nmtp = load_head('path/to/this/folder', model)")
 
 
 def model_card(config: dict, results: dict | None, trainer: dict, train_config: str) -> str:
     from mtpkit.eval.report import markdown_table
 
     base = config["base_model"]
-    lines = ["---", f"base_model: {base}" if "/" in base else f"# base model: {base}", "library_name: peft",
-             "tags: [mtpkit, speculative-decoding, multi-token-prediction, gated-lora]", "---", "",
-             f"# Gated-LoRA mask-token MTP head (k = {config['k']}) for {base}", "",
-             "Trained with [mtpkit](https://github.com/) `train/gated_lora.py` (Samragh et al., \"Your LLM Knows "
-             "the Future\"): k mask tokens, LoRA gated on only at mask positions (the base model's next-token "
-             "outputs are unchanged, bit for bit), a sampler MLP, base + sampler cross-entropy and the "
-             "latent-consistency loss. Decoding is lossless: every token is verified by the base model.", "",
-             "## Settings", "", "```json", json.dumps(config["gated_lora"], indent=1), "```", ""]
+    title, about, settings, loader = _describe(config)
+    lines = ["---", f"base_model: {base}" if "/" in base else f"# base model: {base}",
+             "library_name: peft" if config["method"] == "gated_lora" else "library_name: mtpkit",
+             f"tags: [mtpkit, speculative-decoding, multi-token-prediction, {config['method'].replace('_', '-')}]",
+             "---", "", f"# {title}", "", about, "", "## Settings", "", "```json", json.dumps(settings, indent=1),
+             "```", ""]
     if trainer:
-        lines += [f"Trained for {trainer.get('step')} steps on {trainer.get('tokens_seen')} sequence tokens.", ""]
+        seen = trainer.get("tokens_seen", trainer.get("bytes_seen"))
+        lines += [f"Trained for {trainer.get('step')} steps on {seen} sequence tokens.", ""]
     if results:
         cfg = results.get("config", {})
         lines += ["## Measured acceptance (tau) and speed-up", "",
@@ -74,10 +95,10 @@ def model_card(config: dict, results: dict | None, trainer: dict, train_config: 
     else:
         lines += ["No benchmark attached (export with --results results.json to add the tau table).", ""]
     lines += ["## Use", "", "```python", "from mtpkit.models.backbone import load_backbone",
-              "from mtpkit.models.gated_lora import load_head", f"model, tokenizer = load_backbone({base!r})",
-              "mtp = load_head('path/to/this/folder', model)", "```", "",
-              "```bash", "python eval/bench.py --methods ar gated_lora:head=path/to/this/folder,decoding=quadratic",
-              "```", ""]
+              f"model, tokenizer = load_backbone({base!r})", loader, "```", ""]
+    if config["method"] == "gated_lora":
+        lines += ["```bash", "python eval/bench.py --methods ar gated_lora:head=path/to/this/folder,decoding=quadratic",
+                  "```", ""]
     if train_config:
         lines += ["## Training config", "", "```yaml", train_config.strip(), "```", ""]
     return "\n".join(lines)
@@ -113,7 +134,8 @@ def main(argv=None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for name in HEAD_FILES[method]:
         shutil.copyfile(head / name, out / name)
-    trainer_file = head.parent / "trainer_state.json"
+    ckpt = head if (head / "trainer_state.json").is_file() else head.parent  # mtpc keeps the head in checkpoint-N/
+    trainer_file = ckpt / "trainer_state.json"
     trainer = json.loads(trainer_file.read_text()) if trainer_file.is_file() else {}
     if trainer:
         config["trained_steps"] = trainer["step"]
@@ -124,7 +146,7 @@ def main(argv=None) -> Path:
             results = json.loads(Path(args.results).read_text())
         except (OSError, json.JSONDecodeError) as e:
             sys.exit(f"export: --results {args.results}: {e}")
-    train_config = (head.parent / "config.yaml").read_text() if (head.parent / "config.yaml").is_file() else ""
+    train_config = (ckpt / "config.yaml").read_text() if (ckpt / "config.yaml").is_file() else ""
     (out / "README.md").write_text(model_card(config, results, trainer, train_config))
     print(f"[export] {head} -> {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
     if args.push_to_hub:

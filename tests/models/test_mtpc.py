@@ -1,0 +1,98 @@
+"""MTPC heads: initialisation equivalences, the identity-initialised HMM, the loss."""
+
+import math
+
+import torch
+
+from mtpkit.models.circuits import CircuitParams, _logmatvec, log_prob
+from mtpkit.models.mtpc import MTPCConfig, MTPCHead, window_loss, window_targets
+
+V, D = 11, 8
+
+
+def lm_head(seed=0):
+    return torch.randn(V, D, generator=torch.Generator().manual_seed(seed))
+
+
+def windows(B, n, seed=1):
+    return torch.randint(0, V, (B, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_cp_starts_as_ff_and_cp_rank_one_is_ff():
+    hidden = torch.randn(5, D)
+    x = windows(5, 4)
+    ff = MTPCHead(MTPCConfig(arch="ff", n=4), lm_head())
+    cp = MTPCHead(MTPCConfig(arch="cp", n=4, r=6), lm_head())
+    assert torch.allclose(log_prob(cp(hidden), x), log_prob(ff(hidden), x), atol=1e-5)
+    cp1 = MTPCHead(MTPCConfig(arch="cp", n=4, r=1), lm_head())
+    with torch.no_grad():
+        cp1.unembed.add_(torch.randn_like(cp1.unembed))
+        ff.unembed.copy_(cp1.unembed)
+    assert torch.allclose(log_prob(cp1(hidden), x), log_prob(ff(hidden), x), atol=1e-5)
+
+
+def test_identity_initialised_hmm_equals_cp_with_distinct_ranks_and_still_learns():
+    """Ranks made different (as after training), gate at its init 0: HMM == CP; and the loss
+    gradient reaches the gate and the transition projections (the HMM is not stuck at CP)."""
+    hidden = torch.randn(5, D, dtype=torch.float64)
+    x = windows(5, 8)
+    hmm = MTPCHead(MTPCConfig(arch="hmm", n=8, r=4), lm_head()).double()
+    cp = MTPCHead(MTPCConfig(arch="cp", n=8, r=4), lm_head()).double()
+    with torch.no_grad():
+        hmm.unembed.add_(torch.randn_like(hmm.unembed))
+        cp.unembed.copy_(hmm.unembed)
+        cp.root.copy_(hmm.root)
+    assert float(hmm.gate.detach().abs().max()) == 0.0
+    ll_hmm, ll_cp = log_prob(hmm(hidden), x), log_prob(cp(hidden), x)
+    assert torch.allclose(ll_hmm, ll_cp, atol=1e-12, rtol=0)
+    (-ll_hmm.sum()).backward()
+    assert torch.isfinite(hmm.gate.grad).all() and float(hmm.gate.grad.abs().sum()) > 0
+    assert float(hmm.inner.grad.abs().sum()) == 0.0  # g = 0 multiplies them ...
+    with torch.no_grad():
+        hmm.gate.fill_(0.1)  # ... until the gate opens
+    hmm.zero_grad()
+    (-log_prob(hmm(hidden), x).sum()).backward()
+    assert float(hmm.inner.grad.abs().sum()) > 0
+
+
+def test_logmatvec_gradient_with_zero_weights_matches_linear_space_autograd():
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(3, 4, 4, generator=g, dtype=torch.float64)
+    w[:, 0, 1:] = 0.0  # exact zeros, as in an identity transition
+    w = (w / w.sum(-1, keepdim=True)).requires_grad_()
+    v = torch.randn(3, 4, generator=g, dtype=torch.float64).requires_grad_()
+    out = _logmatvec(w, v)
+    ref_w, ref_v = w.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
+    ref = torch.log((ref_w * ref_v.exp()[:, None, :]).sum(-1))
+    assert torch.allclose(out, ref, atol=1e-12)
+    weights = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    gw, gv = torch.autograd.grad((out * weights).sum(), (w, v))
+    rw, rv = torch.autograd.grad((ref * weights).sum(), (ref_w, ref_v))
+    assert torch.allclose(gw, rw, atol=1e-12) and torch.allclose(gv, rv, atol=1e-12)
+
+
+def test_window_loss_is_eq4_with_discount():
+    """FF windows: the conditional of offset j is phi_j(x_j), so the loss is computable by hand."""
+    labels = torch.tensor([[-100, -100, 3, 4, 5, 6], [-100, 7, 8, -100, 9, 1]])
+    targets, valid = window_targets(labels, n=3)
+    assert targets.shape == (2, 6, 3)
+    assert valid[0, 1].tolist() == [False, True, True] and valid[0, 5].tolist() == [True, False, False]
+    assert valid[1, 2].tolist() == [True, False, True]  # a prompt byte inside the window is summed out
+    g = torch.Generator().manual_seed(0)
+    log_phi = torch.randn(12, 3, 1, V, generator=g, dtype=torch.float64).log_softmax(-1)
+    params = CircuitParams("ff", log_phi)
+    example = torch.arange(2).repeat_interleave(6)
+    gamma = 0.8
+    loss, per_offset = window_loss(params, targets.reshape(12, 3), valid.reshape(12, 3), example, 2, gamma)
+    lp = log_phi[:, :, 0].gather(-1, targets.reshape(12, 3, 1)).squeeze(-1)  # [W, n]
+    vm = valid.reshape(12, 3)
+    expect = []
+    for j in range(3):
+        per_ex = []
+        for e in range(2):
+            rows = example == e
+            per_ex.append(float(-(lp[rows, j] * vm[rows, j]).sum() / vm[rows, j].sum()))
+        expect.append(sum(per_ex) / 2)
+    assert torch.allclose(per_offset, torch.tensor(expect, dtype=torch.float64))
+    total = sum(gamma ** j * expect[j] for j in range(3)) / sum(gamma ** j for j in range(3))
+    assert math.isclose(float(loss), total, rel_tol=1e-12)
