@@ -11,6 +11,8 @@ Methods (`name` or `name:key=value,key=value`; results are keyed by the full spe
                      init=mean|hard|sample, lam=0.1, prune=1, tree=dynamic|7-2, seed=0
   gated_lora         trained gated-LoRA mask tokens (train/gated_lora.py): head=DIR (export or
                      checkpoint head/ folder), decoding=linear|quadratic, sampler=1|0
+  mtpc               MTPC circuit heads over a byte-level target (train/mtpc.py), Algorithm 2:
+                     head=DIR (export or checkpoint-N/), n=0 (draft bytes; 0 = the window), seed=0
   hf_ar              transformers' own generate() (peer baseline, no tau)
   hf_pld             transformers' generate(prompt_lookup_num_tokens=num): num=10, ngram=2
 `ar` always runs (it is every speed-up's denominator). Methods run interleaved prompt by
@@ -18,7 +20,8 @@ prompt, in an order rotated per prompt, so machine drift hits all of them alike.
 
 Writes results.json (per method and per category: tau, tokens_per_s, speedup_vs_ar,
 matches_ar, target_calls, accept_counts, ...; plus every prompt's token ids and output ids),
-results.md (tables) and results.png (tau and speed-up per category).
+results.md (tables), results.png (tau and speed-up per category) and results_tradeoff.png
+(tokens per cycle against seconds per cycle, with iso-throughput lines: the MTPC paper's Fig. 1).
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ from tqdm import tqdm
 
 from mtpkit.data.chat import DataError, load_examples, prompt_ids
 from mtpkit.eval.decoder import Target, decode
-from mtpkit.eval.report import summarise, write_markdown, write_plot
+from mtpkit.eval.report import summarise, write_markdown, write_plot, write_tradeoff_plot
 from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
 from mtpkit.models.drafter import Drafter
 from mtpkit.models.gated_drafter import GatedLoRADraftConfig, GatedLoRADrafter
+from mtpkit.models.mtpc_drafter import MTPCDraftConfig, MTPCDrafter
 from mtpkit.models.pld import PLDConfig, PLDDrafter
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
 
@@ -63,6 +67,7 @@ METHODS = {
     "pld": (PLDConfig, PLDDrafter),
     "probe": (ProbeConfig, ProbeDrafter),
     "gated_lora": (GatedLoRADraftConfig, GatedLoRADrafter),
+    "mtpc": (MTPCDraftConfig, MTPCDrafter),
     "hf_ar": (NoOptions, None),
     "hf_pld": (HFPLDConfig, None),
 }
@@ -209,6 +214,7 @@ def main(argv=None) -> dict:
     out.write_text(json.dumps(results, indent=1))
     table = write_markdown(results, out.with_suffix(".md"))
     write_plot(results, out.with_suffix(".png"))
+    write_tradeoff_plot(results, out.with_name(out.stem + "_tradeoff.png"))
     print(table)
     print(f"[bench] wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
     return results

@@ -81,6 +81,7 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
     started = time.perf_counter()
     eos = set(eos_token_ids)
     cache = DynamicCache(config=target.config)
+    drafter.sampling = temperature > 0
     drafter.begin(target, prompt_ids)
     tokens = list(prompt_ids)
     context = list(prompt_ids)  # fed as a causal chain; its last token is the root
@@ -112,8 +113,11 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
             gated = target.gate(torch.arange(c + N + M, device=target.device)[None] >= c + N)
         t0 = time.perf_counter()
         with gated:
-            hidden = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
-                                 past_key_values=cache, use_cache=True).last_hidden_state[0, root:]  # [1+N+M, d]
+            out = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
+                              past_key_values=cache, use_cache=True,
+                              output_hidden_states=drafter.shared_layer is not None)
+        hidden = out.last_hidden_state[0, root:]  # [1+N+M, d]
+        shared = None if drafter.shared_layer is None else out.hidden_states[drafter.shared_layer][0]
         result.target_seconds += time.perf_counter() - t0
         result.target_calls += 1
         result.draft_nodes += N
@@ -140,18 +144,27 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
                 draft.draft_probs, generator)
 
         keep = cache_len + c
-        rollback_cache(cache, keep, torch.tensor(accepted, dtype=torch.long) + keep - 1)
-        cache_len = keep + len(accepted)
         new = [step_tokens[a] for a in accepted] + [bonus]
+        next_context = [bonus]
+        if drafter.drop_bonus(len(accepted), N):
+            # e.g. MTPC's Algorithm 2: the newest kept token becomes the next root and is fed
+            # again (its KV leaves the cache), so its state comes with the next forward
+            new, next_context = new[:-1], [step_tokens[accepted[-1]] if accepted else context[-1]]
+            keep_nodes = accepted[:-1]
+            keep -= 0 if accepted else 1
+        else:
+            keep_nodes = accepted
+        rollback_cache(cache, keep, torch.tensor(keep_nodes, dtype=torch.long) + cache_len + c - 1)
+        cache_len = keep + len(keep_nodes)
         for depth in range(len(accepted)):
             if depth == len(result.accept_counts):
                 result.accept_counts.append(0)
             result.accept_counts[depth] += 1
         drafter.observe(StepOutput(accepted=accepted, last_node=last, new_tokens=new, hidden=hidden,
-                                   logits=logits))
+                                   logits=logits, context_len=c, shared_hidden=shared))
         tokens += new
         result.tokens += new
-        context = [bonus]
+        context = next_context
         hit = next((i for i, t in enumerate(new) if t in eos), None)
         if hit is not None:
             result.tokens = result.tokens[: len(result.tokens) - len(new) + hit + 1]

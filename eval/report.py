@@ -47,7 +47,11 @@ def _aggregate(runs: list[dict], ar_runs: list[dict], mismatches: list[dict] | N
                    target_ms_per_call=round(1000 * target_s / calls, 2),
                    decoder_overhead_share=round(1 - target_s / seconds, 4),
                    mean_forward_tokens=round(sum(r["forward_tokens"] for r in runs) / calls, 2),
-                   mean_draft_nodes=round(sum(r["draft_nodes"] for r in runs) / calls, 2))
+                   mean_draft_nodes=round(sum(r["draft_nodes"] for r in runs) / calls, 2),
+                   # the MTPC paper's metrics: seconds per cycle, accepted draft tokens per cycle,
+                   # and the throughput if every drafted token were accepted at the same latency
+                   mu_lat=round(seconds / calls, 5), mu_acc=round(sum(accept) / calls, 4),
+                   max_tokens_per_s=round(sum(r["draft_nodes"] for r in runs) / seconds, 2))
     else:
         out.update(tau=None, target_calls=None, accept_counts=None)
     if mismatches is not None:
@@ -102,6 +106,13 @@ def markdown_table(results: dict) -> str:
                      f"{_fmt(r.get('speedup_over_tau'))} | {_fmt(r.get('mean_step_ms'), 1)} | "
                      f"{_fmt(r.get('target_ms_per_call'), 1)} | {_fmt(r.get('decoder_overhead_share'), 3)} | "
                      f"{_match(r)} |")
+    lines += ["", "Per cycle (MTPC paper metrics: mu_lat = seconds per target call, mu_acc = accepted draft "
+              "tokens per call, max = tokens/s if every drafted token were accepted):", "",
+              "| method | mu_lat (s) | mu_acc | tokens/s | max tokens/s | speed-up vs AR |", "|---|---|---|---|---|---|"]
+    for spec, r in results["methods"].items():
+        if r.get("mu_lat") is not None:
+            lines.append(f"| {spec} | {r['mu_lat']:.4f} | {r['mu_acc']:.2f} | {r['tokens_per_s']:.1f} | "
+                         f"{r['max_tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} |")
     lines += ["", "Per category (tau / speed-up vs AR):", "",
               "| method | " + " | ".join(results["categories"]) + " |",
               "|---|" + "---|" * len(results["categories"])]
@@ -176,4 +187,36 @@ def write_training_plot(metrics_file: Path, path: Path) -> None:
             ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_tradeoff_plot(results: dict, path: Path, title: str = "") -> None:
+    """The MTPC paper's Figure 1: tokens per cycle against seconds per cycle for every decoder
+    method, with dotted iso-throughput lines (tokens/s), so the expressiveness/latency trade-off
+    of each design reads off directly (up-left is faster)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = {spec: (r["mu_lat"], r["tau"]) for spec, r in results["methods"].items() if r.get("mu_lat")}
+    if not points:
+        return
+    fig, ax = plt.subplots(figsize=(7, 5))
+    xs = [x for x, _ in points.values()]
+    x_max = max(xs) * 1.15
+    tps = sorted(r["tokens_per_s"] for r in results["methods"].values() if r.get("mu_lat"))
+    for level in sorted({round(t, -1) or t for t in tps}):
+        ax.plot([0, x_max], [0, level * x_max], ":", color="grey", linewidth=0.8)
+        ax.annotate(f"{level:g} tok/s", (x_max, level * x_max), fontsize=7, color="grey")
+    for spec, (x, y) in points.items():
+        ax.scatter([x], [y])
+        ax.annotate(spec, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlim(0, x_max)
+    ax.set_ylim(0, max(y for _, y in points.values()) * 1.2)
+    ax.set_xlabel("mu_lat: seconds per cycle (one target call)")
+    ax.set_ylabel("tokens per cycle (accepted drafts + free tokens)")
+    ax.set_title(title or "expressiveness vs latency (dotted: iso-throughput)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)

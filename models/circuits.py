@@ -221,7 +221,7 @@ def _leaf_states(params: CircuitParams, choose) -> torch.Tensor:
     log_root = params.root.log()
     if arch == "cp":
         return choose(log_root, "root")[:, None].expand(B, n)
-    log_inner = params.inner.log()
+    log_inner = None if params.inner is None else params.inner.log()  # None: a 2-position BTree
     batch = torch.arange(B, device=device)
     if arch == "hmm":
         states = [choose(log_root, ("hmm", 0))]
@@ -238,39 +238,64 @@ def _leaf_states(params: CircuitParams, choose) -> torch.Tensor:
     return state  # [B, n]
 
 
-def sample(params: CircuitParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One window per example [B, n] by ancestral sampling (App. B.2): branches top-down, then
-    all n tokens in parallel from their selected input units."""
-    states = _leaf_states(params, lambda log_w, _: _draw(log_w, generator))
-    logits = params.log_phi.gather(2, states[:, :, None, None].expand(-1, -1, 1, params.log_phi.shape[-1]))
-    return _draw(logits.squeeze(2), generator)
-
-
-def mode(params: CircuitParams) -> torch.Tensor:
-    """The max-product ("Viterbi") window [B, n]: an upward pass with max instead of sum, then
-    the argmax branches top-down. It is the joint mode for FF, CP and HMM, and the mode of the
-    latent-augmented tree for BTree (the usual circuit MAP approximation)."""
-    best_leaf, best_token = params.log_phi.max(-1)  # [B, n, r]: best token of every input unit
+def _messages(params: CircuitParams, leaves: torch.Tensor, reduce: str) -> dict:
+    """Upward messages below every choice of `_leaf_states`, from input-unit log values
+    `leaves` [B, n, r]: sum-product (`reduce="sum"`, log q of the evidence below) or
+    max-product (`"max"`)."""
     arch, n = params.arch, params.n
-    if arch == "ff":
-        return best_token[..., 0]
-    messages = {}  # max-product message below each choice, keyed like _leaf_states' choices
+    log_inner = None if params.inner is None else params.inner.log()
+    combine = (lambda w, v: torch.logsumexp(w + v.unsqueeze(-2), -1)) if reduce == "sum" \
+        else (lambda w, v: (w + v.unsqueeze(-2)).amax(-1))
+    messages = {}
     if arch == "cp":
-        messages["root"] = best_leaf.sum(1)
+        messages["root"] = leaves.sum(1)
     elif arch == "hmm":
-        log_inner = params.inner.log()
-        c = best_leaf[:, -1]
+        c = leaves[:, -1]
         messages[("hmm", n - 1)] = c
         for i in range(n - 2, -1, -1):
-            c = best_leaf[:, i] + (log_inner[:, i] + c[:, None, :]).amax(-1)
+            c = leaves[:, i] + combine(log_inner[:, i], c)
             messages[("hmm", i)] = c
-    else:
-        log_inner = params.inner.log()
-        c = best_leaf
+    elif arch == "btree":
+        c = leaves
         for level, (start, nodes) in enumerate(_btree_levels(n)):
             prod = c[:, 0::2] + c[:, 1::2]  # [B, nodes, r]
             messages[("btree", level)] = prod
-            c = (log_inner[:, start:start + nodes] + prod[:, :, None, :]).amax(-1)
+            c = combine(log_inner[:, start:start + nodes], prod)
         messages["root"] = c[:, 0] + c[:, 1]
-    states = _leaf_states(params, lambda log_w, key: (log_w + messages[key]).argmax(-1))
-    return best_token.gather(2, states[:, :, None]).squeeze(2)
+    return messages
+
+
+def sample(params: CircuitParams, generator: torch.Generator | None = None, evidence: torch.Tensor | None = None,
+           observed: torch.Tensor | None = None) -> torch.Tensor:
+    """One window per example [B, n] by ancestral sampling (App. B.2): branches top-down, then
+    all n tokens in parallel from their selected input units. With `evidence` [B, n] on the
+    `observed` positions [B, n] (bool), it samples from q(unobserved | observed): every branch
+    is drawn in proportion to its weight times the likelihood of the evidence below it (one
+    upward sum-product pass), and observed positions keep their evidence."""
+    if evidence is None:
+        choose = lambda log_w, _: _draw(log_w, generator)  # noqa: E731
+    else:
+        messages = _messages(params, leaf_values(params, evidence, observed), "sum")
+        choose = lambda log_w, key: _draw(log_w + messages[key], generator)  # noqa: E731
+    states = _leaf_states(params, choose)
+    logits = params.log_phi.gather(2, states[:, :, None, None].expand(-1, -1, 1, params.log_phi.shape[-1]))
+    drawn = _draw(logits.squeeze(2), generator)
+    return drawn if evidence is None else torch.where(observed, evidence, drawn)
+
+
+def mode(params: CircuitParams, evidence: torch.Tensor | None = None, observed: torch.Tensor | None = None
+         ) -> torch.Tensor:
+    """The max-product ("Viterbi") window [B, n]: an upward pass with max instead of sum, then
+    the argmax branches top-down. It is the joint mode for FF, CP and HMM, and the mode of the
+    latent-augmented tree for BTree (the usual circuit MAP approximation). With `evidence` on
+    the `observed` positions, the mode of the rest given them."""
+    best_leaf, best_token = params.log_phi.max(-1)  # [B, n, r]: best token of every input unit
+    if evidence is not None:
+        best_leaf = torch.where(observed[:, :, None], leaf_values(params, evidence), best_leaf)
+    if params.arch == "ff":
+        states = torch.zeros_like(best_token[..., 0])
+    else:
+        messages = _messages(params, best_leaf, "max")
+        states = _leaf_states(params, lambda log_w, key: (log_w + messages[key]).argmax(-1))
+    window = best_token.gather(2, states[:, :, None]).squeeze(2)
+    return window if evidence is None else torch.where(observed, evidence, window)

@@ -68,24 +68,44 @@ class StepOutput:
     hidden:     [Q, d] last-layer hidden states of every node of the step.
     logits:     `logits(rows) -> [len(rows), V]` target logits of the given step rows
                 (computed lazily: only the rows asked for pay for the LM head).
+    context_len: positions of the forward before the draft nodes (the root is the last of them;
+                the whole prompt at the first step).
+    shared_hidden: [context_len + Q - 1, d] hidden states after layer `Drafter.shared_layer` for
+                every position of the forward (None unless the drafter asks for them).
     """
     accepted: list[int]
     last_node: int
     new_tokens: list[int]
     hidden: torch.Tensor
     logits: Callable[[list[int]], torch.Tensor]
+    context_len: int = 1
+    shared_hidden: torch.Tensor | None = None
 
 
 class Drafter:
     """Base drafter: proposes nothing, which makes the verifier plain autoregressive decoding."""
 
     name = "ar"
+    shared_layer: int | None = None
+    """index into the body's hidden_states to return as `StepOutput.shared_hidden` (MTPC's
+    shared/draft split: the state after the last shared layer), or None"""
+    sampling: bool = False
+    """set by the decoder before `begin`: True when drafts are verified by speculative sampling
+    (a drafter that can sample its drafts then returns them with `draft_probs`)"""
 
     def adapt(self, model, shared: dict):
         """(model, gate) this drafter decodes with, given the plain target `model`. Drafters that
         change the target (gated LoRA) return an adapted copy and its gate; `shared` is a dict the
         caller keeps across drafters so weights several of them use are loaded once."""
         return model, None
+
+    def drop_bonus(self, accepted: int, proposed: int) -> bool:
+        """Whether the verifier discards this step's bonus token, the newest kept token then being
+        the next root (fed again, so its state comes with the next forward). Standard speculative
+        decoding always keeps it; MTPC's Algorithm 2 (seed 003) drops it when the drafter needs
+        the state of the newest token (see `MTPCDrafter.drop_bonus`). Dropping is exact only where
+        the bonus was drawn from the plain target distribution, never a rejection residual."""
+        return False
 
     def begin(self, target, prompt_ids: list[int]) -> None:
         """Reset per-prompt state. `target` is the `mtpkit.eval.decoder.Target` being decoded."""

@@ -167,9 +167,15 @@ class DraftLayers(nn.Module):
         """shared [B, T, d] (after layer N - L) -> e [B, T, d] (normalised, as fed to the LM head).
         Without a cache the attention is causal over T; with one, T new positions attend to it."""
         position_embeddings = self.rotary(shared, position_ids)
+        mask, T = None, shared.shape[1]
+        past = 0 if past_key_values is None else past_key_values.get_seq_length()
+        if past and T > 1:  # new positions see the whole cache and each other causally
+            allowed = torch.ones(T, past + T, dtype=torch.bool, device=shared.device).tril(past)
+            mask = torch.zeros(T, past + T, dtype=shared.dtype, device=shared.device)
+            mask = mask.masked_fill(~allowed, torch.finfo(shared.dtype).min)[None, None]
         h = shared
         for layer in self.layers:
-            h = layer(h, attention_mask=None, position_ids=position_ids, past_key_values=past_key_values,
+            h = layer(h, attention_mask=mask, position_ids=position_ids, past_key_values=past_key_values,
                       use_cache=past_key_values is not None, position_embeddings=position_embeddings)
             h = h[0] if isinstance(h, tuple) else h
         return self.norm(h)

@@ -156,3 +156,29 @@ def test_sampler_matches_the_distribution_and_a_wrong_sampler_fails(arch):
         wrong = torch.stack([torch.multinomial(marginals[i], draws, replacement=True, generator=g)
                              for i in range(N)], 1)
         assert tv_of_samples(p, wrong) > 0.08
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sampling_and_mode_given_evidence(arch):
+    """q(rest | x_0 = a, x_2 = b) by conditional ancestral sampling matches the brute-force
+    conditional; the conditional mode is the best max-product window that agrees with them."""
+    p = random_params(arch, B=1, seed=7, sharpness=3.0)
+    evidence = torch.tensor([[2, 0, 1, 0]])
+    observed = torch.tensor([[True, False, True, False]])
+    joint = {tuple(w): brute_joint(p, 0, w) for w in all_windows()}
+    consistent = {w: v for w, v in joint.items() if w[0] == 2 and w[2] == 1}
+    total = sum(consistent.values())
+    draws = 20000
+    rows = torch.zeros(draws, dtype=torch.long)
+    got = sample(p.index(rows), torch.Generator().manual_seed(0), evidence.expand(draws, -1),
+                 observed.expand(draws, -1))
+    assert (got[:, 0] == 2).all() and (got[:, 2] == 1).all()
+    counts = {}
+    for w in got.tolist():
+        counts[tuple(w)] = counts.get(tuple(w), 0) + 1
+    tv = 0.5 * sum(abs(counts.get(w, 0) / draws - v / total) for w, v in consistent.items())
+    assert tv < 0.04, tv
+    best = mode(p, evidence, observed)[0].tolist()
+    scores = {w: brute_joint(p, 0, list(w), latent_max=True) for w in consistent}
+    assert best[0] == 2 and best[2] == 1
+    assert math.isclose(scores[tuple(best)], max(scores.values()), rel_tol=1e-9)

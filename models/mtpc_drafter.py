@@ -1,0 +1,159 @@
+"""The MTPC drafter: self-speculative decoding with a circuit head (seed 003, App. D).
+
+Algorithm 2 (shared-state self-speculative decoding) on the shared decoder: every cycle is ONE
+target forward over [root, drafted bytes]. With L LoRA draft layers the forward also returns
+the shared state after layer N - L; the drafter feeds the states of newly accepted positions
+through its own copy of the last L layers (its own KV cache, holding accepted positions only,
+so it never rolls back) to get e_t. With L = 0, e_t is the verifier's own final state.
+
+Cycles (`cycle=`):
+- `alg2` (default), greedy: the paper's Algorithm 2. After an accepted draft the "free" bonus
+  byte is dropped (its state would cost another forward) and the last accepted byte is the next
+  root; when nothing is accepted the free byte is kept and the next cycle is a one-byte forward
+  computing its state (an empty draft, "unset S state").
+- `alg2`, speculative sampling: Algorithm 2 as printed is biased here. After a rejection at
+  draft position s + 1 the bonus is a sample of the residual max(p - q, 0); dropping it and
+  drawing position s + 1 afresh next cycle gives it probability min(p, q) + R p instead of p
+  (R = the rejection mass). So the bonus is dropped only when every draft byte was accepted (it
+  is then a plain sample of p); otherwise it is kept and the next window is drawn from the
+  circuit of the newest byte that has a state, conditioned on the kept byte: q(x_2.. | x_1 =
+  bonus), an exact proposal at no extra forward (tests/eval/test_mtpc_decoding.py shows the
+  printed version failing the distribution test).
+- `bonus`: standard speculative decoding: the bonus is always kept and every window is drawn
+  conditioned on it (n - 1 draft bytes per cycle, no state-only cycles).
+
+Drafts: greedy decoding proposes the circuit's max-product window (`circuits.mode`, as the MTPC
+code's argmax query); speculative sampling (Algorithm 3) draws the window from the circuit and
+hands the verifier its conditionals q(x_j | x_<j) = q(x_1..j) / q(x_1..j-1) lazily, only for
+the positions it visits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from mtpkit.models.circuits import CircuitParams, mode, next_log_probs, sample
+from mtpkit.models.drafter import Draft, Drafter, StepOutput
+from mtpkit.models.mtpc import MTPCModel, load_head
+
+CYCLES = ("alg2", "bonus")
+
+
+@dataclass
+class MTPCDraftConfig:
+    head: str = ""
+    """head folder (train/export.py output or a train/mtpc.py checkpoint-N/)"""
+    n: int = 0
+    """window used per cycle; 0 = the head's n (fewer is exact: a marginal of the window; not btree)"""
+    cycle: str = "alg2"
+    """alg2 (the paper's Algorithm 2, made exact for sampling) | bonus (keep every bonus, condition on it)"""
+    seed: int = 0
+    """seed of the drafter's own sampling (speculative sampling only)"""
+
+
+class LazyConditionals:
+    """draft_probs for the verifier: row j is q(X_{offset+j} | window[:offset+j]) over V, on demand."""
+
+    def __init__(self, params: CircuitParams, window: torch.Tensor, offset: int):
+        self.params, self.window, self.offset, self.rows = params, window[None], offset, {}
+
+    def __getitem__(self, j: int) -> torch.Tensor:
+        if j not in self.rows:
+            self.rows[j] = next_log_probs(self.params, self.window, self.offset + j)[0].exp()
+        return self.rows[j]
+
+
+class MTPCDrafter(Drafter):
+    name = "mtpc"
+
+    def __init__(self, config: MTPCDraftConfig = MTPCDraftConfig(), model: MTPCModel | None = None):
+        if model is None and not config.head:
+            raise ValueError("mtpc needs head=DIR (a folder written by train/export.py or a checkpoint-N/)")
+        if config.cycle not in CYCLES:
+            raise ValueError(f"mtpc cycle must be one of {CYCLES}, got {config.cycle!r}")
+        self.config, self.model = config, model
+        # seeded once, not per prompt: every decode must draw fresh windows (a window repeated
+        # across runs is not a sample from q, and the acceptance rule would be biased)
+        self.gen = torch.Generator().manual_seed(config.seed)
+        if model is not None:
+            self._bind()
+
+    def _bind(self) -> None:
+        n = self.model.cfg.n
+        if not 0 <= self.config.n <= n:
+            raise ValueError(f"mtpc n={self.config.n}: the head's window is {n}")
+        if self.config.n and self.config.n < n and self.model.cfg.arch == "btree":
+            raise ValueError("mtpc: n smaller than the window is supported for ff/cp/hmm, not btree")
+        self.shared_layer = None if self.model.draft is None else self.model.draft.start
+        self.model.eval()
+
+    def adapt(self, model, shared: dict):
+        if self.model is None:
+            key = ("mtpc", self.config.head)
+            if key not in shared:
+                shared[key] = load_head(self.config.head, model)
+            self.model = shared[key]
+        if self.model.backbone is not model:
+            raise ValueError("mtpc: the head was loaded on another backbone object than the target")
+        self._bind()
+        return model, None
+
+    def drop_bonus(self, accepted: int, proposed: int) -> bool:
+        if self.config.cycle == "bonus":
+            return False
+        if self.sampling:  # exact: only a bonus drawn from p itself may be redrawn next cycle
+            return accepted == proposed
+        return accepted > 0 or proposed == 0
+
+    def begin(self, target, prompt_ids: list[int]) -> None:
+        self.n = self.config.n or self.model.cfg.n
+        self.e = None          # e_t of the newest byte that has a state (None: unknown)
+        self.given: list[int] = []  # kept bytes after it, without a state (the bonus)
+        self.length = 0        # bytes in the sequence before the current step
+        self.cache = DynamicCache() if self.model.draft is not None else None
+        self.cached = 0        # positions the draft layers have processed
+
+    def propose(self, tokens: list[int]) -> Draft:
+        self.length = len(tokens)
+        if self.e is None:
+            return Draft.empty()
+        params = self.model.head(self.e[None])
+        if self.n < params.n:  # the marginal of the first n positions
+            inner = None if params.inner is None else params.inner[:, : self.n - 1]
+            params = CircuitParams(params.arch, params.log_phi[:, : self.n], params.root, inner)
+        m = len(self.given)
+        evidence = observed = None
+        if m:
+            evidence = torch.zeros(1, self.n, dtype=torch.long)
+            evidence[0, :m] = torch.tensor(self.given)
+            observed = torch.arange(self.n)[None] < m
+        if self.sampling:
+            window = sample(params, self.gen, evidence, observed)[0]
+            return Draft(tokens=window[m:], parents=torch.arange(self.n - m),
+                         draft_probs=LazyConditionals(params, window, m))
+        return Draft.chain(mode(params, evidence, observed)[0, m:].tolist())
+
+    def observe(self, step: StepOutput) -> None:
+        kept_bonus = bool(step.new_tokens) and len(step.new_tokens) > len(step.accepted)
+        if kept_bonus and self.config.cycle == "alg2" and not self.sampling:
+            self.e, self.given = None, []   # the paper's branch: a state-only cycle comes next
+            return
+        newest = step.last_node             # last accepted draft byte, or the root (0)
+        self.given = [step.new_tokens[-1]] if kept_bonus else []
+        if self.model.draft is None:
+            self.e = step.hidden[newest]
+            return
+        # rows of the forward: context positions, then the (chain) draft; row i is position
+        # first + i, so the accepted prefix is contiguous
+        first = self.length - step.context_len   # absolute position of row 0
+        upto = self.length - 1 + newest          # absolute position of the newest byte with a state
+        if upto >= self.cached:
+            rows = step.shared_hidden[self.cached - first: upto - first + 1][None]
+            positions = torch.arange(self.cached, upto + 1, device=rows.device)[None]
+            with torch.no_grad():
+                e = self.model.draft(rows, positions, past_key_values=self.cache)
+            self.cached = upto + 1
+            self.e = e[0, -1]

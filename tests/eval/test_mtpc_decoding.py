@@ -1,0 +1,153 @@
+"""MTPC decoding (Algorithm 2 on the shared decoder): greedy output token-identical to AR for every
+circuit with and without LoRA draft layers and for both cycles, the draft layers' incremental
+state equal to a full recomputation, speculative sampling with a circuit draft distributed as
+the target, and the printed Algorithm 2 (bonus always dropped after an acceptance) failing that
+same test under sampling."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from chisquare import chi2_pvalue
+from mtpkit.eval.decoder import Target, decode
+from mtpkit.eval.generate import target_probs
+from mtpkit.models.drafter import Drafter
+from mtpkit.models.mtpc import MTPCConfig, MTPCModel
+from mtpkit.models.mtpc_drafter import MTPCDraftConfig, MTPCDrafter
+
+CONFIGS = [(arch, L) for arch in ("ff", "cp", "hmm", "btree") for L in (0, 1)]
+
+
+def make_head(backbone, arch, L, n=4, seed=0):
+    torch.manual_seed(seed)
+    model = MTPCModel(backbone, MTPCConfig(arch=arch, n=n, r=3, lora_layers=L, lora_rank=4), seed=seed)
+    with torch.no_grad():  # a trained-looking head: distinct ranks, non-zero LoRA
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+class OracleMTPC(MTPCDrafter):
+    """The real drafter (head, draft layers, draft cache), whose proposal is replaced by the true
+    continuation corrupted at a seeded random depth, so long acceptances, partial ones and
+    all-rejected cycles all happen. Every time it drafts, its e_t must equal the draft features
+    recomputed over the whole sequence."""
+
+    def __init__(self, truth, model, seed, cycle="alg2"):
+        super().__init__(MTPCDraftConfig(cycle=cycle), model)
+        self.truth, self.gen_oracle, self.checked = truth, torch.Generator().manual_seed(seed), 0
+
+    def begin(self, target, prompt_ids):
+        super().begin(target, prompt_ids)
+        self.start = len(prompt_ids)
+
+    def propose(self, tokens):
+        draft = super().propose(tokens)
+        if self.e is None:
+            return draft
+        with torch.no_grad():
+            full = self.model.features(torch.tensor([tokens]))[0, -1 - len(self.given)]  # newest byte with a state
+        torch.testing.assert_close(self.e, full, atol=1e-4, rtol=1e-4)  # incremental == recomputed
+        self.checked += 1
+        done = len(tokens) - self.start
+        spec = list(self.truth[done: done + len(draft.tokens)]) or [0]
+        wrong = int(torch.randint(0, 2 * len(spec) + 1, (1,), generator=self.gen_oracle))
+        if wrong < len(spec):
+            spec[wrong] = (spec[wrong] + 1) % 256
+        return type(draft).chain(spec)
+
+
+@pytest.mark.parametrize("arch,L", CONFIGS)
+@pytest.mark.parametrize("cycle", ["alg2", "bonus"])
+def test_greedy_equals_ar(tiny_byte, arch, L, cycle):
+    backbone, _ = tiny_byte
+    head = make_head(backbone, arch, L)
+    target = Target(backbone)
+    for seed in range(2):
+        prompt = torch.randint(0, 256, (7 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        want = decode(target, Drafter(), prompt, 40).tokens
+        drafter = MTPCDrafter(MTPCDraftConfig(cycle=cycle), model=head)
+        assert decode(target, drafter, prompt, 40).tokens == want
+        oracle = OracleMTPC(want, head, seed, cycle)
+        got = decode(target, oracle, prompt, 40)
+        assert got.tokens == want
+        assert got.accept_counts and got.accept_counts[0] > 0 and len(got.accept_counts) >= 3, got.accept_counts
+        assert oracle.checked > 3
+        assert got.tau > 1.3
+
+
+def test_bonus_policy_of_algorithm_2(tiny_byte):
+    """Accepted drafts emit no bonus; an all-rejected draft emits the free token; a state step
+    emits nothing; over several oracle runs all three happen."""
+    backbone, _ = tiny_byte
+    head = make_head(backbone, "cp", 0)
+    prompt = [5, 6, 7, 8]
+    want = decode(Target(backbone), Drafter(), prompt, 40).tokens
+    kinds = set()
+    for seed in range(6):
+        oracle = OracleMTPC(want, head, seed=seed)
+        steps = []
+        observe = oracle.observe
+        oracle.observe = lambda step, observe=observe: (steps.append(step), observe(step))
+        assert decode(Target(backbone), oracle, prompt, 40).tokens == want
+        for step in steps:
+            if step.accepted:
+                assert len(step.new_tokens) == len(step.accepted)
+                kinds.add("accepted")
+            else:
+                assert len(step.new_tokens) in (0, 1)
+                kinds.add("free token" if step.new_tokens else "state step")
+    assert kinds == {"accepted", "free token", "state step"}
+
+
+VOCAB, PROMPT = 5, [0, 3, 1]
+
+
+@pytest.fixture(scope="module")
+def small():
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.5, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = LlamaForCausalLM(config).eval()
+    return model
+
+
+def two_token_counts(target, drafter, runs):
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.long)
+    for _ in range(runs):
+        x1, x2 = decode(target, drafter, PROMPT, 2, temperature=1.0, generator=g).tokens
+        counts[x1, x2] += 1
+    return counts
+
+
+def exact_two_token_joint(model):
+    with torch.no_grad():
+        logits = lambda ids: model(input_ids=torch.tensor([ids])).logits[:, -1]  # noqa: E731
+        first = target_probs(logits(PROMPT), 1.0, 1.0)[0]
+        second = torch.stack([target_probs(logits(PROMPT + [x]), 1.0, 1.0)[0] for x in range(VOCAB)])
+    return first[:, None] * second
+
+
+@pytest.mark.parametrize("arch,L,cycle", [("btree", 0, "alg2"), ("hmm", 1, "alg2"), ("cp", 0, "bonus")])
+def test_speculative_sampling_with_a_circuit_draft_is_exact(small, arch, L, cycle):
+    head = make_head(small, arch, L, n=2, seed=4)
+    target = Target(small)
+    drafter = MTPCDrafter(MTPCDraftConfig(seed=1, cycle=cycle), model=head)
+    counts = two_token_counts(target, drafter, 800)
+    assert chi2_pvalue(counts, exact_two_token_joint(small)) > 1e-3
+    # the drafts were really sampled from the circuit and partly accepted
+    res = decode(target, drafter, PROMPT, 20, temperature=1.0, generator=torch.Generator().manual_seed(9))
+    assert res.draft_nodes > 0 and sum(res.accept_counts) > 0
+
+
+def test_the_printed_algorithm_2_is_biased_under_sampling(small, monkeypatch):
+    """Dropping the bonus after every acceptance, as Algorithm 2 is printed, throws away the
+    residual sample of a rejection: the same distribution test rejects it (power check)."""
+    head = make_head(small, "hmm", 1, n=2, seed=4)
+    drafter = MTPCDrafter(MTPCDraftConfig(seed=1), model=head)
+    monkeypatch.setattr(drafter, "drop_bonus", lambda accepted, proposed: accepted > 0 or proposed == 0)
+    counts = two_token_counts(Target(small), drafter, 800)
+    assert chi2_pvalue(counts, exact_two_token_joint(small)) < 1e-3
