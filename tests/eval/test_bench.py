@@ -60,8 +60,12 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path):
     assert ar["tau"] == 1.0 and ar["speedup_vs_ar"] == 1.0 and ar["accept_counts"] == []
     assert ar["target_calls"] == ar["new_tokens"]
     assert methods["hf_ar"]["tau"] is None
-    assert (out.parent / "results.md").read_text().count("| probe:bc=10 |") == 2
+    # main table, per-cycle (MTPC metrics) table, per-category table; hf_ar has no cycles
+    assert (out.parent / "results.md").read_text().count("| probe:bc=10 |") == 3
+    assert (out.parent / "results.md").read_text().count("| hf_ar |") == 2
+    assert ar["mu_acc"] == 0.0 and methods["probe:bc=10"]["mu_lat"] > 0
     assert (out.parent / "results.png").stat().st_size > 1000
+    assert (out.parent / "results_tradeoff.png").stat().st_size > 1000
 
 
 def test_bench_runs_a_gated_lora_head(tmp_path):
@@ -89,6 +93,27 @@ def test_bench_runs_a_gated_lora_head(tmp_path):
     for spec in specs:
         assert methods[spec]["matches_ar"] is True
         assert methods[spec]["target_calls"] >= 4  # one per prompt at least, 4 categories
+
+
+def test_bench_runs_mtpc_heads(tmp_path):
+    import torch
+
+    from mtpkit.models.backbone import load_backbone
+    from mtpkit.models.mtpc import MTPCConfig, MTPCModel
+    from mtpkit.train.mtpc import TrainConfig, save_head
+
+    base, _ = load_backbone("tiny-byte-llama-random")
+    cfg = TrainConfig(backbone="tiny-byte-llama-random", model=MTPCConfig(arch="btree", n=4, r=3, lora_layers=1))
+    torch.manual_seed(0)
+    save_head(MTPCModel(base, cfg.model), cfg, tmp_path / "head")
+    out = tmp_path / "r" / "results.json"
+    specs = [f"mtpc:head={tmp_path / 'head'}", f"mtpc:head={tmp_path / 'head'},cycle=bonus"]
+    bench.main(["--backbone", "tiny-byte-llama-random", "--data", "builtin:eval", "--per-category", "1",
+                "--max-new-tokens", "12", "--methods", *specs, "--out", str(out)])
+    methods = json.loads(out.read_text())["methods"]
+    for spec in specs:
+        assert methods[spec]["matches_ar"] is True
+        assert methods[spec]["mean_draft_nodes"] > 0 and methods[spec]["max_tokens_per_s"] > 0
 
 
 def test_bench_rejects_a_missing_head(tmp_path, capsys):
