@@ -299,3 +299,17 @@ def mode(params: CircuitParams, evidence: torch.Tensor | None = None, observed: 
         states = _leaf_states(params, lambda log_w, key: (log_w + messages[key]).argmax(-1))
     window = best_token.gather(2, states[:, :, None]).squeeze(2)
     return window if evidence is None else torch.where(observed, evidence, window)
+
+
+def greedy_chain(params: CircuitParams, evidence: torch.Tensor | None = None, observed: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """Position by position, the argmax of the conditional given the bytes chosen so far
+    (x_1 = argmax q(x_1), x_2 = argmax q(x_2 | x_1), ...): n conditional queries instead of one
+    max-product pass, but it follows the marginal distribution rather than one latent path."""
+    B, n = params.log_phi.shape[:2]
+    window = torch.zeros(B, n, dtype=torch.long, device=params.log_phi.device) if evidence is None else evidence.clone()
+    for i in range(n):
+        if observed is not None and bool(observed[:, i].all()):
+            continue
+        window[:, i] = next_log_probs(params, window, i).argmax(-1)
+    return window

@@ -23,7 +23,9 @@ Cycles (`cycle=`):
   conditioned on it (n - 1 draft bytes per cycle, no state-only cycles).
 
 Drafts: greedy decoding proposes the circuit's max-product window (`circuits.mode`, as the MTPC
-code's argmax query); speculative sampling (Algorithm 3) draws the window from the circuit and
+code's argmax query), or with `greedy=chain` the argmax of each conditional in turn (follows the
+marginal, not one latent path: better for an undertrained mixture whose best single path is
+not its typical output); speculative sampling (Algorithm 3) draws the window from the circuit and
 hands the verifier its conditionals q(x_j | x_<j) = q(x_1..j) / q(x_1..j-1) lazily, only for
 the positions it visits.
 """
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from mtpkit.models.circuits import CircuitParams, mode, next_log_probs, sample
+from mtpkit.models.circuits import CircuitParams, greedy_chain, mode, next_log_probs, sample
 from mtpkit.models.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.mtpc import MTPCModel, load_head
 
@@ -48,6 +50,8 @@ class MTPCDraftConfig:
     """head folder (train/export.py output or a train/mtpc.py checkpoint-N/)"""
     n: int = 0
     """window used per cycle; 0 = the head's n (fewer is exact: a marginal of the window; not btree)"""
+    greedy: str = "mode"
+    """greedy drafts: mode (max-product window, as the MTPC code) | chain (argmax of each conditional in turn)"""
     cycle: str = "alg2"
     """alg2 (the paper's Algorithm 2, made exact for sampling) | bonus (keep every bonus, condition on it)"""
     seed: int = 0
@@ -72,6 +76,8 @@ class MTPCDrafter(Drafter):
     def __init__(self, config: MTPCDraftConfig = MTPCDraftConfig(), model: MTPCModel | None = None):
         if model is None and not config.head:
             raise ValueError("mtpc needs head=DIR (a folder written by train/export.py or a checkpoint-N/)")
+        if config.greedy not in ("mode", "chain"):
+            raise ValueError(f"mtpc greedy must be mode or chain, got {config.greedy!r}")
         if config.cycle not in CYCLES:
             raise ValueError(f"mtpc cycle must be one of {CYCLES}, got {config.cycle!r}")
         self.config, self.model = config, model
@@ -134,7 +140,8 @@ class MTPCDrafter(Drafter):
             window = sample(params, self.gen, evidence, observed)[0]
             return Draft(tokens=window[m:], parents=torch.arange(self.n - m),
                          draft_probs=LazyConditionals(params, window, m))
-        return Draft.chain(mode(params, evidence, observed)[0, m:].tolist())
+        pick = mode if self.config.greedy == "mode" else greedy_chain
+        return Draft.chain(pick(params, evidence, observed)[0, m:].tolist())
 
     def observe(self, step: StepOutput) -> None:
         kept_bonus = bool(step.new_tokens) and len(step.new_tokens) > len(step.accepted)

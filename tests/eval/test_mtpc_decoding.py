@@ -146,8 +146,19 @@ def test_speculative_sampling_with_a_circuit_draft_is_exact(small, arch, L, cycl
 def test_the_printed_algorithm_2_is_biased_under_sampling(small, monkeypatch):
     """Dropping the bonus after every acceptance, as Algorithm 2 is printed, throws away the
     residual sample of a rejection: the same distribution test rejects it (power check)."""
-    head = make_head(small, "hmm", 1, n=2, seed=4)
+    head = make_head(small, "btree", 0, n=2, seed=4)
     drafter = MTPCDrafter(MTPCDraftConfig(seed=1), model=head)
     monkeypatch.setattr(drafter, "drop_bonus", lambda accepted, proposed: accepted > 0 or proposed == 0)
     counts = two_token_counts(Target(small), drafter, 800)
     assert chi2_pvalue(counts, exact_two_token_joint(small)) < 1e-3
+
+
+@pytest.mark.parametrize("arch,L", [("btree", 0), ("hmm", 1)])
+def test_greedy_chain_drafts_equal_ar(tiny_byte, arch, L):
+    backbone, _ = tiny_byte
+    head = make_head(backbone, arch, L)
+    target = Target(backbone)
+    prompt = [3, 40, 50, 60, 70]
+    want = decode(target, Drafter(), prompt, 30).tokens
+    res = decode(target, MTPCDrafter(MTPCDraftConfig(greedy="chain"), model=head), prompt, 30)
+    assert res.tokens == want and res.draft_nodes > 0

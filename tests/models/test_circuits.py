@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from mtpkit.models.circuits import (ARCHS, CircuitParams, log_prob, mode, next_log_probs, num_inner,
+from mtpkit.models.circuits import (ARCHS, CircuitParams, greedy_chain, log_prob, mode, next_log_probs, num_inner,
                                     prefix_log_probs, sample)
 
 V, N, R = 3, 4, 2
@@ -182,3 +182,13 @@ def test_sampling_and_mode_given_evidence(arch):
     scores = {w: brute_joint(p, 0, list(w), latent_max=True) for w in consistent}
     assert best[0] == 2 and best[2] == 1
     assert math.isclose(scores[tuple(best)], max(scores.values()), rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_chain_takes_each_conditional_argmax(arch):
+    p = random_params(arch, B=1, seed=8)
+    joint = {tuple(w): brute_joint(p, 0, w) for w in all_windows()}
+    got = greedy_chain(p)[0].tolist()
+    for i in range(N):
+        cond = [sum(v for w, v in joint.items() if list(w[:i]) == got[:i] and w[i] == c) for c in range(V)]
+        assert got[i] == max(range(V), key=cond.__getitem__)
