@@ -32,6 +32,7 @@ greedy verification accepts per cycle.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -48,7 +49,7 @@ from tqdm import tqdm
 
 from mtpkit.data.chat import IGNORE, DataError, load_examples, tokenize_chat
 from mtpkit.models.backbone import load_backbone
-from mtpkit.models.circuits import mode, next_log_probs  # noqa: F401  (next_log_probs: see kl_loss)
+from mtpkit.models.circuits import mode, next_log_probs
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel, window_loss, window_targets
 from mtpkit.train.config import ConfigError, add_config_args, resolve, to_yaml
 
@@ -317,7 +318,7 @@ def main(argv=None) -> dict:
             rows, cols, targets, valid = select_windows(labels.cpu(), cfg.model.n, cfg.windows_per_sequence, g)
             rows, cols, targets, valid = rows.to(device), cols.to(device), targets.to(device), valid.to(device)
             sync = accum == cfg.grad_accum - 1 or world == 1
-            with (ddp.no_sync() if not sync and world > 1 else _nullcontext()):
+            with ddp.no_sync() if not sync and world > 1 else contextlib.nullcontext():
                 params = ddp(ids, mask, rows, cols)  # through DDP's forward, so gradients are all-reduced
                 nll, per_offset = window_loss(params, targets, valid, rows, ids.shape[0], cfg.gamma)
                 kl = kl_loss(model, params, targets, valid, ids, rows, cols) if cfg.kl_weight else nll.new_zeros(())
@@ -385,14 +386,6 @@ def main(argv=None) -> dict:
     if world > 1:
         dist.destroy_process_group()
     return result
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":
