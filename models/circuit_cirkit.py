@@ -137,36 +137,6 @@ class TorchBatchedSumLayer(TorchSumLayer):
         return torch.gather(x, dim=1, index=idx), mix  # (F, Ko, N*B, D)
 
 
-# Compilation rules: the registry keys on the *annotation* of the last argument, so the
-# annotations must be real classes (do NOT quote them / rely on string annotations).
-def compile_batched_categorical_layer(compiler, sl: CategoricalLayer) -> TorchBatchedCategoricalLayer:
-    assert sl.logits is not None, "prototype circuits always use a logits placeholder"
-    return TorchBatchedCategoricalLayer(
-        torch.tensor(tuple(sl.scope)),
-        sl.num_output_units,
-        num_categories=sl.num_categories,
-        logits=compiler.compile_parameter(sl.logits),
-        semiring=compiler.semiring,
-    )
-
-
-def compile_batched_sum_layer(compiler, sl: SumLayer) -> TorchBatchedSumLayer:
-    return TorchBatchedSumLayer(
-        sl.num_input_units,
-        sl.num_output_units,
-        arity=sl.arity,
-        weight=compiler.compile_parameter(sl.weight),
-        semiring=compiler.semiring,
-    )
-
-
-def make_pipeline_context() -> PipelineContext:
-    ctx = PipelineContext(backend="torch", semiring="lse-sum", fold=True, optimize=False)
-    ctx.add_layer_compilation_rule(compile_batched_categorical_layer)
-    ctx.add_layer_compilation_rule(compile_batched_sum_layer)
-    return ctx
-
-
 # Compilation rules: cirkit keys them on the annotation of the last argument (real classes).
 def compile_batched_categorical_layer(compiler, sl: CategoricalLayer) -> TorchBatchedCategoricalLayer:
     return TorchBatchedCategoricalLayer(

@@ -149,7 +149,7 @@ def prefix_log_probs(params: CircuitParams, x: torch.Tensor, observed: torch.Ten
     """[B, n]: entry i is log q(x_1..x_{i+1}) with later positions summed out (and unobserved
     ones everywhere). FF and CP use running sums, HMM one forward pass, BTree `_btree_prefixes`."""
     leaves = leaf_values(params, x, observed)  # [B, n, r]
-    arch, B, n = params.arch, x.shape[0], params.n
+    arch, n = params.arch, params.n
     if arch == "ff":
         return leaves[..., 0].cumsum(1)
     if arch == "cp":

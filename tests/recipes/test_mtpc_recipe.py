@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtpkit.data.chat import IGNORE
 from mtpkit.models.backbone import load_backbone
 from mtpkit.models.circuits import log_prob
 from mtpkit.models.mtpc import load_head, window_targets
