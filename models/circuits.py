@@ -203,6 +203,26 @@ def next_log_probs(params: CircuitParams, prefix: torch.Tensor, i: int) -> torch
     return joint - torch.logsumexp(joint, dim=-1, keepdim=True)
 
 
+@torch.no_grad()
+def next_log_probs_posterior(params: CircuitParams, prefix: torch.Tensor, i: int) -> torch.Tensor:
+    """`next_log_probs` in one upward and one backward pass instead of V upward passes (no
+    gradient to the parameters: for decoding). The circuit is multilinear in position i's input
+    units, so q(x_<i, X_i = v) = sum_u D_u phi_{i,u}(v), with D_u the derivative of the output
+    with respect to unit u; with position i summed out, d log q / d log-leaf_u = D_u / q(x_<i)
+    = pi_u, the posterior of unit u given the prefix, and q(X_i | x_<i) = sum_u pi_u phi_{i,u}."""
+    B, n = prefix.shape[0], params.n
+    observed = torch.zeros(B, n, dtype=torch.bool, device=prefix.device)
+    observed[:, :i] = True
+    with torch.enable_grad():
+        leaves = leaf_values(params, prefix, observed).detach().requires_grad_(True)
+        detached = CircuitParams(params.arch, params.log_phi.detach(),
+                                 None if params.root is None else params.root.detach(),
+                                 None if params.inner is None else params.inner.detach())
+        (posterior,) = torch.autograd.grad(upward(detached, leaves).sum(), leaves)
+    log_post = posterior[:, i].clamp_min(1e-30).log()  # [B, r]
+    return torch.logsumexp(log_post[:, :, None] + params.log_phi[:, i], dim=1)  # [B, V]
+
+
 def _draw(log_probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One categorical draw per row of the last axis (Gumbel-max)."""
     u = torch.rand(log_probs.shape, generator=generator, device=log_probs.device, dtype=log_probs.dtype)
@@ -305,11 +325,12 @@ def greedy_chain(params: CircuitParams, evidence: torch.Tensor | None = None, ob
                  ) -> torch.Tensor:
     """Position by position, the argmax of the conditional given the bytes chosen so far
     (x_1 = argmax q(x_1), x_2 = argmax q(x_2 | x_1), ...): n conditional queries instead of one
-    max-product pass, but it follows the marginal distribution rather than one latent path."""
+    max-product pass, but it follows the marginal distribution rather than one latent path.
+    For decoding (no gradient)."""
     B, n = params.log_phi.shape[:2]
     window = torch.zeros(B, n, dtype=torch.long, device=params.log_phi.device) if evidence is None else evidence.clone()
     for i in range(n):
         if observed is not None and bool(observed[:, i].all()):
             continue
-        window[:, i] = next_log_probs(params, window, i).argmax(-1)
+        window[:, i] = next_log_probs_posterior(params, window, i).argmax(-1)
     return window

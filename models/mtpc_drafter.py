@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from mtpkit.models.circuits import CircuitParams, greedy_chain, mode, next_log_probs, sample
+from mtpkit.models.circuits import CircuitParams, greedy_chain, mode, next_log_probs_posterior, sample
 from mtpkit.models.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.mtpc import MTPCModel, load_head
 
@@ -66,7 +66,7 @@ class LazyConditionals:
 
     def __getitem__(self, j: int) -> torch.Tensor:
         if j not in self.rows:
-            self.rows[j] = next_log_probs(self.params, self.window, self.offset + j)[0].exp()
+            self.rows[j] = next_log_probs_posterior(self.params, self.window, self.offset + j)[0].exp()
         return self.rows[j]
 
 

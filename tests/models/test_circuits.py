@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from mtpkit.models.circuits import (ARCHS, CircuitParams, greedy_chain, log_prob, mode, next_log_probs, num_inner,
-                                    prefix_log_probs, sample)
+from mtpkit.models.circuits import (ARCHS, CircuitParams, greedy_chain, log_prob, mode, next_log_probs,
+                                    next_log_probs_posterior, num_inner, prefix_log_probs, sample)
 
 V, N, R = 3, 4, 2
 
@@ -192,3 +192,12 @@ def test_greedy_chain_takes_each_conditional_argmax(arch):
     for i in range(N):
         cond = [sum(v for w, v in joint.items() if list(w[:i]) == got[:i] and w[i] == c) for c in range(V)]
         assert got[i] == max(range(V), key=cond.__getitem__)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("n", [4, 8])
+def test_posterior_conditionals_equal_the_enumerated_ones(arch, n):
+    p = random_params(arch, B=3, n=n, r=3, V=5, seed=n)
+    x = torch.randint(0, 5, (3, n), generator=torch.Generator().manual_seed(0))
+    for i in range(n):
+        assert torch.allclose(next_log_probs_posterior(p, x, i), next_log_probs(p, x, i), atol=1e-10)
