@@ -36,6 +36,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mtpkit.data.bytes import build_corpus
 from mtpkit.data.chat import DataError
 from mtpkit.models.backbone import BYTE_LM, byte_tokenizer, cache_dir
+from mtpkit.train.checkpoints import prune_checkpoints, resume_folder
 from mtpkit.train.config import ConfigError, add_config_args, resolve, to_yaml
 
 
@@ -153,11 +154,6 @@ def lr_at(cfg: ByteLMConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    found = sorted(output_dir.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
-    return found[-1].parent if found else None
-
-
 def evaluate(model, corpus, cfg: ByteLMConfig) -> dict[str, float]:
     return {f"bpb/{name}": bits_per_byte(model, stream, cfg.block_size, cfg.eval_blocks)
             for name, stream in corpus.heldout.items()}
@@ -191,7 +187,7 @@ def main(argv=None) -> dict:
                + ", ".join(f"{k} {len(v) / 1e6:.2f}M" for k, v in corpus.train.items()))
 
     step, trained_seconds = 0, 0.0
-    resume = latest_checkpoint(out) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume else None)
+    resume = resume_folder(cfg.resume, out)
     if resume is not None:
         if not (resume / "trainer_state.json").is_file():
             sys.exit(f"byte_lm: --resume {resume}: not a checkpoint (no trainer_state.json)")
@@ -242,9 +238,7 @@ def main(argv=None) -> dict:
             torch.save(optimizer.state_dict(), ckpt / "optimizer.pt")
             (ckpt / "config.yaml").write_text(to_yaml(cfg, command))
             (ckpt / "trainer_state.json").write_text(json.dumps({"step": step, "trained_seconds": trained_seconds}))
-            for old in sorted(out.glob("checkpoint-*/trainer_state.json"),
-                              key=lambda p: int(p.parent.name.split("-")[1]))[:-2]:
-                shutil.rmtree(old.parent)
+            prune_checkpoints(out, keep=2)
         if over_budget:
             tqdm.write(f"[budget] {cfg.time_budget_min} min of training reached at step {step}")
             break

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from mtpkit.models.gated_lora import HEAD_CONFIG
-from mtpkit.train.gated_lora import latest_checkpoint
+from mtpkit.train.checkpoints import latest_checkpoint
 
 HEAD_FILES = {  # method -> files of its head folder
     "gated_lora": ["adapter_config.json", "adapter_model.safetensors", "mtp_head.safetensors", HEAD_CONFIG],

@@ -24,7 +24,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from mtpkit.eval.report import write_training_plot
 from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
 from mtpkit.models.gated_drafter import DECODINGS, GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP, save_head
+from mtpkit.train.checkpoints import micro_batch, prune_checkpoints, resume_folder
 from mtpkit.train.config import ConfigError, add_config_args, resolve, to_yaml
 
 
@@ -136,18 +136,6 @@ def build_features(cfg: TrainConfig, tokenizer, log) -> tuple[list[dict], set[st
     return features, {ex.messages[0]["content"] for ex in examples}
 
 
-def micro_batch(features, step: int, rank: int, world: int, batch_size: int, seed: int) -> list[dict]:
-    """The sequences of global micro-step `step` on process `rank`: a fixed, seeded reshuffle per
-    epoch, so a resumed run sees exactly the batches it would have seen."""
-    out = []
-    for j in range(batch_size):
-        p = (step * world + rank) * batch_size + j
-        epoch, i = divmod(p, len(features))
-        order = torch.randperm(len(features), generator=torch.Generator().manual_seed(seed + epoch))
-        out.append(features[int(order[i])])
-    return out
-
-
 def eval_prompts(cfg: TrainConfig, tokenizer, train_examples_text: set[str]) -> list[list[int]]:
     examples, _ = load_examples(cfg.eval_data)
     by_category: dict[str, list] = {}
@@ -173,11 +161,6 @@ def simulated_tau(mtp: GatedMTP, prompts: list[list[int]], cfg: TrainConfig, eos
         tokens, calls = tokens + len(res.tokens), calls + res.target_calls
     mtp.train(was_training)
     return tokens / max(calls, 1)
-
-
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    found = sorted(output_dir.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
-    return found[-1].parent if found else None
 
 
 def main(argv=None) -> dict:
@@ -234,7 +217,7 @@ def main(argv=None) -> dict:
     accelerator.register_for_checkpointing(scheduler)
 
     step, micro, tokens_seen = 0, 0, 0
-    resume = latest_checkpoint(out) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume else None)
+    resume = resume_folder(cfg.resume, out)
     if resume is not None:
         if not (resume / "trainer_state.json").is_file():
             sys.exit(f"gated_lora: --resume {resume}: not a checkpoint (no trainer_state.json)")
@@ -323,9 +306,7 @@ def save_checkpoint(accelerator, mtp, cfg: TrainConfig, ckpt: Path, step: int, m
         (ckpt / "config.yaml").write_text(to_yaml(cfg, command))
         (ckpt / "trainer_state.json").write_text(json.dumps({"step": step, "micro_step": micro,
                                                              "tokens_seen": tokens_seen}))
-        done = sorted(ckpt.parent.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
-        for old in done[: max(len(done) - cfg.keep_checkpoints, 0)]:
-            shutil.rmtree(old.parent)
+        prune_checkpoints(ckpt.parent, cfg.keep_checkpoints)
     accelerator.wait_for_everyone()
 
 

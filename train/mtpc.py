@@ -36,7 +36,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -51,6 +50,7 @@ from mtpkit.data.chat import IGNORE, DataError, load_examples, tokenize_chat
 from mtpkit.models.backbone import load_backbone
 from mtpkit.models.circuits import mode, next_log_probs
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel, window_loss, window_targets
+from mtpkit.train.checkpoints import micro_batch, prune_checkpoints, resume_folder
 from mtpkit.train.config import ConfigError, add_config_args, resolve, to_yaml
 
 DEFAULT_BYTE_BACKBONE = "mtpkit-byte-lm"
@@ -163,17 +163,6 @@ def build_features(cfg: TrainConfig, tokenizer, log) -> tuple[list[dict], list[d
     return train_f, held_f
 
 
-def micro_batch(features, step: int, rank: int, world: int, batch_size: int, seed: int) -> list[dict]:
-    """Sequences of global micro-step `step` on process `rank` (seeded reshuffle per epoch)."""
-    out = []
-    for j in range(batch_size):
-        p = (step * world + rank) * batch_size + j
-        epoch, i = divmod(p, len(features))
-        order = torch.randperm(len(features), generator=torch.Generator().manual_seed(seed + epoch))
-        out.append(features[int(order[i])])
-    return out
-
-
 def pad(feats: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T = max(len(f["input_ids"]) for f in feats)
     ids = torch.full((len(feats), T), pad_id, dtype=torch.long)
@@ -242,11 +231,6 @@ def teacher_forced_acceptance(model: MTPCModel, held: list[dict], pad_id: int, l
     return matched / max(windows, 1)
 
 
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    found = sorted(output_dir.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
-    return found[-1].parent if found else None
-
-
 def save_head(model: MTPCModel, cfg: TrainConfig, folder: Path, extra: dict | None = None) -> None:
     """The loadable head: head.safetensors (head + draft LoRA) and mtpkit_config.json."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -295,7 +279,7 @@ def main(argv=None) -> dict:
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     step, micro, bytes_seen = 0, 0, 0
-    resume = latest_checkpoint(out) if cfg.resume == "auto" else (Path(cfg.resume) if cfg.resume else None)
+    resume = resume_folder(cfg.resume, out)
     if resume is not None:
         if not (resume / "trainer_state.json").is_file():
             sys.exit(f"mtpc: --resume {resume}: not a checkpoint (no trainer_state.json)")
@@ -377,9 +361,7 @@ def main(argv=None) -> dict:
                 (ckpt / "config.yaml").write_text(to_yaml(cfg, command))
                 (ckpt / "trainer_state.json").write_text(json.dumps(
                     {"step": step, "micro_step": micro, "bytes_seen": bytes_seen}))
-                done = sorted(out.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
-                for old in done[: max(len(done) - cfg.keep_checkpoints, 0)]:
-                    shutil.rmtree(old.parent)
+                prune_checkpoints(out, cfg.keep_checkpoints)
             if world > 1:
                 dist.barrier()
     bar.close()
