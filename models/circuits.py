@@ -142,12 +142,16 @@ def upward(params: CircuitParams, leaves: torch.Tensor) -> torch.Tensor:
 
 def log_prob(params: CircuitParams, x: torch.Tensor, observed: torch.Tensor | None = None) -> torch.Tensor:
     """log q(x_observed) [B] for windows x [B, n] (unobserved positions summed out)."""
+    if not isinstance(params, CircuitParams):  # a plugged-in cirkit circuit (models/cirkit_head.py)
+        return params.log_prob(x, observed)
     return upward(params, leaf_values(params, x, observed))
 
 
 def prefix_log_probs(params: CircuitParams, x: torch.Tensor, observed: torch.Tensor | None = None) -> torch.Tensor:
     """[B, n]: entry i is log q(x_1..x_{i+1}) with later positions summed out (and unobserved
     ones everywhere). FF and CP use running sums, HMM one forward pass, BTree `_btree_prefixes`."""
+    if not isinstance(params, CircuitParams):
+        return params.prefix_log_probs(x, observed)
     leaves = leaf_values(params, x, observed)  # [B, n, r]
     arch, n = params.arch, params.n
     if arch == "ff":
@@ -189,6 +193,8 @@ def _btree_prefixes(params: CircuitParams, leaves: torch.Tensor) -> torch.Tensor
 def next_log_probs(params: CircuitParams, prefix: torch.Tensor, i: int) -> torch.Tensor:
     """log q(X_i = v | x_0..x_{i-1}) for every v: [B, V] (prefix [B, n], positions < i used).
     One upward pass over B * V rows whose leaves differ only at position i."""
+    if not isinstance(params, CircuitParams):
+        return params.next_log_probs(prefix, i)
     B, n, r, V = params.log_phi.shape
     observed = torch.zeros(B, n, dtype=torch.bool, device=prefix.device)
     observed[:, :i] = True
@@ -210,6 +216,8 @@ def next_log_probs_posterior(params: CircuitParams, prefix: torch.Tensor, i: int
     units, so q(x_<i, X_i = v) = sum_u D_u phi_{i,u}(v), with D_u the derivative of the output
     with respect to unit u; with position i summed out, d log q / d log-leaf_u = D_u / q(x_<i)
     = pi_u, the posterior of unit u given the prefix, and q(X_i | x_<i) = sum_u pi_u phi_{i,u}."""
+    if not isinstance(params, CircuitParams):
+        return params.next_log_probs(prefix, i)
     B, n = prefix.shape[0], params.n
     observed = torch.zeros(B, n, dtype=torch.bool, device=prefix.device)
     observed[:, :i] = True
@@ -291,15 +299,32 @@ def sample(params: CircuitParams, generator: torch.Generator | None = None, evid
     all n tokens in parallel from their selected input units. With `evidence` [B, n] on the
     `observed` positions [B, n] (bool), it samples from q(unobserved | observed): every branch
     is drawn in proportion to its weight times the likelihood of the evidence below it (one
-    upward sum-product pass), and observed positions keep their evidence."""
+    upward sum-product pass), and observed positions keep their evidence. A plugged-in cirkit
+    circuit samples position by position from its conditionals instead (exact as well)."""
+    if not isinstance(params, CircuitParams):
+        return params.chain(lambda log_q: _draw(log_q, generator), evidence, observed)
+    states = sample_states(params, generator, evidence, observed)
+    units = params.log_phi.gather(2, states[:, :, None, None].expand(-1, -1, 1, params.log_phi.shape[-1]))
+    return sample_tokens(units.squeeze(2), generator, evidence, observed)
+
+
+def sample_states(params: CircuitParams, generator: torch.Generator | None = None,
+                  evidence: torch.Tensor | None = None, observed: torch.Tensor | None = None) -> torch.Tensor:
+    """The branch half of `sample`: the input unit drawn at every position [B, n]. It reads
+    `log_phi` only at the `observed` positions, so a caller can compute the rest lazily."""
     if evidence is None:
         choose = lambda log_w, _: _draw(log_w, generator)  # noqa: E731
     else:
         messages = _messages(params, leaf_values(params, evidence, observed), "sum")
         choose = lambda log_w, key: _draw(log_w + messages[key], generator)  # noqa: E731
-    states = _leaf_states(params, choose)
-    logits = params.log_phi.gather(2, states[:, :, None, None].expand(-1, -1, 1, params.log_phi.shape[-1]))
-    drawn = _draw(logits.squeeze(2), generator)
+    return _leaf_states(params, choose)
+
+
+def sample_tokens(units: torch.Tensor, generator: torch.Generator | None = None, evidence: torch.Tensor | None = None,
+                  observed: torch.Tensor | None = None) -> torch.Tensor:
+    """The token half of `sample`: one draw per position from the log-probabilities of its
+    selected input unit `units` [B, n, V]; observed positions keep their evidence."""
+    drawn = _draw(units, generator)
     return drawn if evidence is None else torch.where(observed, evidence, drawn)
 
 
@@ -308,7 +333,10 @@ def mode(params: CircuitParams, evidence: torch.Tensor | None = None, observed: 
     """The max-product ("Viterbi") window [B, n]: an upward pass with max instead of sum, then
     the argmax branches top-down. It is the joint mode for FF, CP and HMM, and the mode of the
     latent-augmented tree for BTree (the usual circuit MAP approximation). With `evidence` on
-    the `observed` positions, the mode of the rest given them."""
+    the `observed` positions, the mode of the rest given them. (A plugged-in cirkit circuit has
+    no max-product pass here: it gives `greedy_chain`.)"""
+    if not isinstance(params, CircuitParams):
+        return params.chain(lambda log_q: log_q.argmax(-1), evidence, observed)
     best_leaf, best_token = params.log_phi.max(-1)  # [B, n, r]: best token of every input unit
     if evidence is not None:
         best_leaf = torch.where(observed[:, :, None], leaf_values(params, evidence), best_leaf)
@@ -327,6 +355,8 @@ def greedy_chain(params: CircuitParams, evidence: torch.Tensor | None = None, ob
     (x_1 = argmax q(x_1), x_2 = argmax q(x_2 | x_1), ...): n conditional queries instead of one
     max-product pass, but it follows the marginal distribution rather than one latent path.
     For decoding (no gradient)."""
+    if not isinstance(params, CircuitParams):
+        return params.chain(lambda log_q: log_q.argmax(-1), evidence, observed)
     B, n = params.log_phi.shape[:2]
     window = torch.zeros(B, n, dtype=torch.long, device=params.log_phi.device) if evidence is None else evidence.clone()
     for i in range(n):

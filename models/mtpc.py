@@ -28,7 +28,7 @@ from mtpkit.models.circuits import ARCHS, CircuitParams, num_inner, prefix_log_p
 @dataclasses.dataclass
 class MTPCConfig:
     arch: str = "btree"
-    """circuit structure: ff | cp | hmm | btree"""
+    """circuit structure: ff | cp | hmm | btree (native code), or cirkit (any cirkit circuit, --circuit)"""
     n: int = 16
     """window: bytes drafted per cycle"""
     r: int = 32
@@ -41,13 +41,17 @@ class MTPCConfig:
     """LoRA rank of the draft layers"""
     lora_alpha: float = 16.0
     """LoRA alpha of the draft layers"""
+    circuit: str = "random-binary-tree"
+    """arch=cirkit only: random-binary-tree | linear-tree | package.module:function(n, r, V) returning a
+    smooth, decomposable cirkit symbolic circuit (models/cirkit_head.py)"""
 
     def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.arch not in ARCHS + ("cirkit",):
+            raise ValueError(f"arch must be one of {ARCHS + ('cirkit',)}, got {self.arch!r}")
         if self.n < 2:
             raise ValueError(f"n must be >= 2, got {self.n}")
-        num_inner(self.arch, self.n)  # btree: a power of two
+        if self.arch != "cirkit":
+            num_inner(self.arch, self.n)  # btree: a power of two
 
     @property
     def units(self) -> int:
@@ -89,8 +93,27 @@ class MTPCHead(nn.Module):
         """hidden [B, d] -> the circuit of each row."""
         h = hidden.to(self.unembed.dtype)
         log_phi = torch.einsum("bd,nrvd->bnrv", h, self.unembed).log_softmax(-1)  # [B, n, r, V]
+        return CircuitParams(self.cfg.arch, log_phi, *self._sums(h))
+
+    @torch.no_grad()
+    def decode(self, hidden: torch.Tensor, n: int = 0) -> tuple[CircuitParams, "LazyUnits"]:
+        """The circuit of ONE hidden state [d] over the first `n` window positions (0 = all; a
+        marginal of the window for ff/cp/hmm), with its input units left to compute on demand:
+        `params.log_phi` is the buffer `units` fills (see `LazyUnits`)."""
+        n = n or self.cfg.n
+        if n < self.cfg.n and self.cfg.arch == "btree":
+            raise ValueError("a btree window cannot be cut: its tree spans the whole window")
+        h = hidden.to(self.unembed.dtype)
+        units = LazyUnits(self, h, n)
+        root, inner = self._sums(h[None])
+        if inner is not None and self.cfg.arch == "hmm":
+            inner = inner[:, : n - 1]
+        return CircuitParams(self.cfg.arch, units.log_phi, root, inner), units
+
+    def _sums(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The sum-unit weights of rows h [B, d]: root [B, r] and inner [B, L, r, r] (None for FF)."""
         if self.root is None:
-            return CircuitParams("ff", log_phi)
+            return None, None
         root = (h @ self.root.T + self.root_bias).softmax(-1)  # [B, r]
         inner = None
         if self.inner is not None:
@@ -101,7 +124,47 @@ class MTPCHead(nn.Module):
                 g = _ClampST.apply(self.gate)[None, :, None, None]
                 eye = torch.eye(r, dtype=inner.dtype, device=inner.device)
                 inner = eye + g * (inner - eye)
-        return CircuitParams(self.cfg.arch, log_phi, root, inner)
+        return root, inner
+
+
+class LazyUnits:
+    """The input units of one decode-time circuit, computed per window position when needed.
+
+    A full head forward is n * r * V * d multiply-adds: the whole unembedding, which at n = 16,
+    r = 32 is 4.5x the parameters of the 11M byte backbone, and a memory-bound matrix-vector
+    product on CPU. A speculative-sampling cycle needs far less: the r units of each position it
+    conditions on or verifies (`upto`), and for every other position only the one unit its
+    branch selected, to draw its byte (`selected`). `log_phi` [1, n, r, V] holds the computed
+    positions; the circuit queries read it only there (`circuits.sample_states` at observed
+    positions, `next_log_probs_posterior(.., i)` at positions <= i)."""
+
+    def __init__(self, head: MTPCHead, h: torch.Tensor, n: int):
+        self.head, self.h, self.ready = head, h, 0
+        r, V = head.unembed.shape[1:3]
+        self.log_phi = torch.zeros(1, n, r, V, dtype=h.dtype, device=h.device)
+
+    @torch.no_grad()
+    def upto(self, i: int) -> None:
+        """Compute every unit of positions < i."""
+        i = min(i, self.log_phi.shape[1])
+        if i > self.ready:
+            w = self.head.unembed[self.ready:i]  # [k, r, V, d]
+            self.log_phi[0, self.ready:i] = (w.reshape(-1, w.shape[-1]) @ self.h).view(w.shape[:3]).log_softmax(-1)
+            self.ready = i
+
+    @torch.no_grad()
+    def selected(self, states: torch.Tensor) -> torch.Tensor:
+        """log phi of the unit `states` [1, n] selects at each position: [1, n, V]."""
+        n, V = self.log_phi.shape[1], self.log_phi.shape[-1]
+        out = torch.empty(1, n, V, dtype=self.h.dtype, device=self.h.device)
+        if self.ready:
+            out[0, : self.ready] = self.log_phi[0, : self.ready].gather(
+                1, states[0, : self.ready, None, None].expand(-1, 1, V)).squeeze(1)
+        if self.ready < n:
+            positions = torch.arange(self.ready, n, device=states.device)
+            w = self.head.unembed[positions, states[0, self.ready:]]  # [k, V, d]
+            out[0, self.ready:] = (w @ self.h).log_softmax(-1)
+        return out
 
 
 def window_targets(labels: torch.Tensor, n: int, ignore: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +253,14 @@ class MTPCModel(nn.Module):
         self.__dict__["backbone"] = backbone  # frozen and outside state_dict / DDP
         for p in backbone.parameters():
             p.requires_grad_(False)
-        self.head = MTPCHead(cfg, backbone.get_output_embeddings().weight, seed=seed)
+        lm_head = backbone.get_output_embeddings().weight
+        if cfg.arch == "cirkit":
+            from mtpkit.models.cirkit_head import CirkitHead, build_circuit
+
+            circuit = build_circuit(cfg.circuit, cfg.n, cfg.r, lm_head.shape[0])
+            self.head = CirkitHead(circuit, cfg.n, lm_head, init_std=cfg.init_std, seed=seed)
+        else:
+            self.head = MTPCHead(cfg, lm_head, seed=seed)
         self.draft = DraftLayers(backbone, cfg) if cfg.lora_layers else None
 
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,7 +27,9 @@ code's argmax query), or with `greedy=chain` the argmax of each conditional in t
 marginal, not one latent path: better for an undertrained mixture whose best single path is
 not its typical output); speculative sampling (Algorithm 3) draws the window from the circuit and
 hands the verifier its conditionals q(x_j | x_<j) = q(x_1..j) / q(x_1..j-1) lazily, only for
-the positions it visits.
+the positions it visits. Under sampling the head's input units are computed lazily too
+(`LazyUnits`): all r units only for the positions conditioned on or verified, one unit per other
+position; greedy drafts compute the whole head (the mode and the chain read every unit).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from mtpkit.models.circuits import CircuitParams, greedy_chain, mode, next_log_probs_posterior, sample
+from mtpkit.models.circuits import (CircuitParams, greedy_chain, mode, next_log_probs_posterior, sample,
+                                    sample_states, sample_tokens)
 from mtpkit.models.drafter import Draft, Drafter, StepOutput
-from mtpkit.models.mtpc import MTPCModel, load_head
+from mtpkit.models.mtpc import LazyUnits, MTPCModel, load_head
 
 CYCLES = ("alg2", "bonus")
 
@@ -61,11 +64,13 @@ class MTPCDraftConfig:
 class LazyConditionals:
     """draft_probs for the verifier: row j is q(X_{offset+j} | window[:offset+j]) over V, on demand."""
 
-    def __init__(self, params: CircuitParams, window: torch.Tensor, offset: int):
-        self.params, self.window, self.offset, self.rows = params, window[None], offset, {}
+    def __init__(self, params: CircuitParams, window: torch.Tensor, offset: int, units: LazyUnits | None = None):
+        self.params, self.window, self.offset, self.units, self.rows = params, window[None], offset, units, {}
 
     def __getitem__(self, j: int) -> torch.Tensor:
         if j not in self.rows:
+            if self.units is not None:  # the query reads the units of positions <= offset + j
+                self.units.upto(self.offset + j + 1)
             self.rows[j] = next_log_probs_posterior(self.params, self.window, self.offset + j)[0].exp()
         return self.rows[j]
 
@@ -91,8 +96,8 @@ class MTPCDrafter(Drafter):
         n = self.model.cfg.n
         if not 0 <= self.config.n <= n:
             raise ValueError(f"mtpc n={self.config.n}: the head's window is {n}")
-        if self.config.n and self.config.n < n and self.model.cfg.arch == "btree":
-            raise ValueError("mtpc: n smaller than the window is supported for ff/cp/hmm, not btree")
+        if self.config.n and self.config.n < n and self.model.cfg.arch in ("btree", "cirkit"):
+            raise ValueError(f"mtpc: n smaller than the window is supported for ff/cp/hmm, not {self.model.cfg.arch}")
         self.shared_layer = None if self.model.draft is None else self.model.draft.start
         self.model.eval()
 
@@ -126,20 +131,26 @@ class MTPCDrafter(Drafter):
         self.length = len(tokens)
         if self.e is None:
             return Draft.empty()
-        params = self.model.head(self.e[None])
-        if self.n < params.n:  # the marginal of the first n positions
-            inner = None if params.inner is None else params.inner[:, : self.n - 1]
-            params = CircuitParams(params.arch, params.log_phi[:, : self.n], params.root, inner)
         m = len(self.given)
         evidence = observed = None
         if m:
             evidence = torch.zeros(1, self.n, dtype=torch.long)
             evidence[0, :m] = torch.tensor(self.given)
             observed = torch.arange(self.n)[None] < m
-        if self.sampling:
-            window = sample(params, self.gen, evidence, observed)[0]
+        if self.sampling:  # input units on demand: see LazyUnits
+            params, units = self.model.head.decode(self.e, self.n)
+            if units is None:  # a plugged-in cirkit circuit: conditional by conditional
+                window = sample(params, self.gen, evidence, observed)[0]
+            else:
+                units.upto(m)
+                states = sample_states(params, self.gen, evidence, observed)
+                window = sample_tokens(units.selected(states), self.gen, evidence, observed)[0]
             return Draft(tokens=window[m:], parents=torch.arange(self.n - m),
-                         draft_probs=LazyConditionals(params, window, m))
+                         draft_probs=LazyConditionals(params, window, m, units))
+        params = self.model.head(self.e[None])
+        if self.n < params.n and isinstance(params, CircuitParams):  # the marginal of the first n positions
+            inner = None if params.inner is None else params.inner[:, : self.n - 1]
+            params = CircuitParams(params.arch, params.log_phi[:, : self.n], params.root, inner)
         pick = mode if self.config.greedy == "mode" else greedy_chain
         return Draft.chain(pick(params, evidence, observed)[0, m:].tolist())
 

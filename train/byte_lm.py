@@ -73,7 +73,7 @@ class ByteLMConfig:
     warmup_steps: int = 50
     """linear warm-up steps"""
     min_lr_ratio: float = 0.1
-    """final learning rate as a fraction of --lr (cosine decay)"""
+    """final learning rate as a fraction of --lr (cosine decay over --max-steps or --time-budget-min, whichever is shorter)"""
     weight_decay: float = 0.1
     """AdamW weight decay on matrices"""
     max_grad_norm: float = 1.0
@@ -147,10 +147,14 @@ def bits_per_byte(model, stream: torch.Tensor, block_size: int, max_blocks: int)
     return nats / max(count, 1) / math.log(2)
 
 
-def lr_at(cfg: ByteLMConfig, step: int) -> float:
+def lr_at(cfg: ByteLMConfig, step: int, trained_seconds: float = 0.0) -> float:
+    """Warmup by steps, then cosine over whichever ends first: --max-steps or --time-budget-min."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    if cfg.time_budget_min:
+        progress = max(progress, trained_seconds / (cfg.time_budget_min * 60))
+    progress = min(1.0, progress)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -205,7 +209,7 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         blocks = sample_blocks(stream, step, cfg.batch_size, cfg.block_size, cfg.seed)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(cfg, step)
+            group["lr"] = lr_at(cfg, step, trained_seconds)
         logits = model(blocks[:, :-1]).logits
         loss = F.cross_entropy(logits.flatten(0, 1), blocks[:, 1:].flatten())
         loss.backward()
@@ -223,7 +227,7 @@ def main(argv=None) -> dict:
         if step % cfg.log_every == 0 or evaluate_now:
             seconds = time.perf_counter() - window_t
             row = {"step": step, "loss": window_loss / window_n, "bits_per_byte": window_loss / window_n / math.log(2),
-                   "lr": lr_at(cfg, step - 1), "bytes_per_s": window_n * cfg.batch_size * cfg.block_size / seconds,
+                   "lr": lr_at(cfg, step - 1, trained_seconds), "bytes_per_s": window_n * cfg.batch_size * cfg.block_size / seconds,
                    "trained_minutes": trained_seconds / 60}
             if evaluate_now:
                 row.update(evaluate(model, corpus, cfg))

@@ -131,7 +131,8 @@ def exact_two_token_joint(model):
     return first[:, None] * second
 
 
-@pytest.mark.parametrize("arch,L,cycle", [("btree", 0, "alg2"), ("hmm", 1, "alg2"), ("cp", 0, "bonus")])
+@pytest.mark.parametrize("arch,L,cycle", [("btree", 0, "alg2"), ("hmm", 1, "alg2"), ("cp", 0, "bonus"),
+                                         ("cirkit", 0, "alg2")])
 def test_speculative_sampling_with_a_circuit_draft_is_exact(small, arch, L, cycle):
     head = make_head(small, arch, L, n=2, seed=4)
     target = Target(small)
@@ -153,7 +154,7 @@ def test_the_printed_algorithm_2_is_biased_under_sampling(small, monkeypatch):
     assert chi2_pvalue(counts, exact_two_token_joint(small)) < 1e-3
 
 
-@pytest.mark.parametrize("arch,L", [("btree", 0), ("hmm", 1)])
+@pytest.mark.parametrize("arch,L", [("btree", 0), ("hmm", 1), ("cirkit", 1)])
 def test_greedy_chain_drafts_equal_ar(tiny_byte, arch, L):
     backbone, _ = tiny_byte
     head = make_head(backbone, arch, L)

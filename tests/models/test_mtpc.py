@@ -2,9 +2,11 @@
 
 import math
 
+import pytest
 import torch
 
-from mtpkit.models.circuits import CircuitParams, _logmatvec, log_prob
+from mtpkit.models.circuits import (CircuitParams, _logmatvec, log_prob, next_log_probs_posterior, sample,
+                                    sample_states, sample_tokens)
 from mtpkit.models.mtpc import MTPCConfig, MTPCHead, window_loss, window_targets
 
 V, D = 11, 8
@@ -96,3 +98,48 @@ def test_window_loss_is_eq4_with_discount():
     assert torch.allclose(per_offset, torch.tensor(expect, dtype=torch.float64))
     total = sum(gamma ** j * expect[j] for j in range(3)) / sum(gamma ** j for j in range(3))
     assert math.isclose(float(loss), total, rel_tol=1e-12)
+
+
+def trained_looking(arch, n, r, seed=0):
+    head = MTPCHead(MTPCConfig(arch=arch, n=n, r=r), lm_head()).double()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return head
+
+
+@pytest.mark.parametrize("arch", ["ff", "cp", "hmm", "btree"])
+def test_lazy_decode_units_equal_the_full_head(arch):
+    """`MTPCHead.decode` (what speculative sampling uses) draws the same windows from the same
+    generator as `sample` on the full head, gives the same conditionals, and computes all r units
+    only of the positions it was asked for."""
+    n, r = 8, 3
+    head = trained_looking(arch, n, r)
+    h = torch.randn(D, dtype=torch.float64)
+    full = head(h[None])
+    for m in (0, 1):
+        evidence = observed = None
+        if m:
+            evidence, observed = windows(1, n, seed=5), torch.arange(n)[None] < m
+        params, units = head.decode(h)
+        units.upto(m)
+        g_lazy, g_full = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        states = sample_states(params, g_lazy, evidence, observed)
+        window = sample_tokens(units.selected(states), g_lazy, evidence, observed)
+        assert torch.equal(window, sample(full, g_full, evidence, observed))
+        assert units.ready == m and float(units.log_phi[0, m:].abs().sum()) == 0.0  # nothing else computed
+        for j in range(m, n):
+            units.upto(j + 1)
+            torch.testing.assert_close(next_log_probs_posterior(params, window, j),
+                                       next_log_probs_posterior(full, window, j), rtol=1e-10, atol=1e-10)
+        assert units.ready == n
+        torch.testing.assert_close(units.log_phi, full.log_phi, rtol=1e-10, atol=1e-10)
+    if arch != "btree":  # a shorter window is the marginal of its first positions
+        params, units = head.decode(h, n=3)
+        units.upto(3)
+        x = windows(4, 3)
+        inner = None if full.inner is None else full.inner[:, :2]
+        cut = CircuitParams(arch, full.log_phi[:, :3], full.root, inner)
+        torch.testing.assert_close(log_prob(params.index(torch.zeros(4, dtype=torch.long)), x),
+                                   log_prob(cut.index(torch.zeros(4, dtype=torch.long)), x))

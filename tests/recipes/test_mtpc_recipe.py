@@ -138,3 +138,25 @@ def test_missing_byte_lm_says_how_to_train_it(tmp_path, monkeypatch):
     from mtpkit.models.backbone import BackboneError
     with pytest.raises(BackboneError, match="train/byte_lm.py"):
         load_backbone("mtpkit-byte-lm")
+
+
+def test_a_cirkit_circuit_head_trains_exports_and_decodes(data, tmp_path):
+    """--arch cirkit --circuit linear-tree: a cirkit-built structure through the same training,
+    export and decoder (greedy output equal to AR)."""
+    from mtpkit.eval.decoder import Target, decode
+    from mtpkit.models.drafter import Drafter
+    from mtpkit.models.mtpc_drafter import MTPCDraftConfig, MTPCDrafter
+
+    result = mtpc.main([*TINY, "--data", str(data), "--output-dir", str(tmp_path / "run"), "--arch", "cirkit",
+                        "--circuit", "linear-tree", "-n", "4", "--max-steps", "2", "--eval-every", "2"])
+    assert "tf_acceptance" in result
+    out = export.main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "export")])
+    assert json.loads((out / "mtpkit_config.json").read_text())["circuit"] == "linear-tree"
+    backbone, tokenizer = load_backbone("tiny-byte-llama-random")
+    head = load_head(out, backbone)
+    assert type(head.head).__name__ == "CirkitHead"
+    prompt = tokenizer("Add 3 and 4.")["input_ids"]
+    target = Target(backbone)
+    ar = decode(target, Drafter(), prompt, 12)
+    spec = decode(target, MTPCDrafter(MTPCDraftConfig(), model=head), prompt, 12)
+    assert spec.tokens == ar.tokens and spec.draft_nodes > 0
