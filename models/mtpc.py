@@ -153,17 +153,18 @@ class LazyUnits:
             self.ready = i
 
     @torch.no_grad()
-    def selected(self, states: torch.Tensor) -> torch.Tensor:
-        """log phi of the unit `states` [1, n] selects at each position: [1, n, V]."""
-        n, V = self.log_phi.shape[1], self.log_phi.shape[-1]
+    def selected(self, states: torch.Tensor, upto: int = 0) -> torch.Tensor:
+        """log phi of the unit `states` [1, n] selects at each position: [1, n, V] (only the first
+        `upto` positions if given)."""
+        n, V = upto or self.log_phi.shape[1], self.log_phi.shape[-1]
         out = torch.empty(1, n, V, dtype=self.h.dtype, device=self.h.device)
         if self.ready:
-            out[0, : self.ready] = self.log_phi[0, : self.ready].gather(
-                1, states[0, : self.ready, None, None].expand(-1, 1, V)).squeeze(1)
-        if self.ready < n:
-            positions = torch.arange(self.ready, n, device=states.device)
-            w = self.head.unembed[positions, states[0, self.ready:]]  # [k, V, d]
-            out[0, self.ready:] = (w @ self.h).log_softmax(-1)
+            done = min(self.ready, n)
+            out[0, :done] = self.log_phi[0, :done].gather(1, states[0, :done, None, None].expand(-1, 1, V)).squeeze(1)
+        if self.ready < n:  # one matrix-vector product per position on a view (no gather copy)
+            unembed = self.head.unembed
+            rows = [unembed[i, s] @ self.h for i, s in enumerate(states[0, :n].tolist()) if i >= self.ready]
+            out[0, self.ready:] = torch.stack(rows).log_softmax(-1)
         return out
 
 

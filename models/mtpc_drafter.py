@@ -52,7 +52,8 @@ class MTPCDraftConfig:
     head: str = ""
     """head folder (train/export.py output or a train/mtpc.py checkpoint-N/)"""
     n: int = 0
-    """window used per cycle; 0 = the head's n (fewer is exact: a marginal of the window; not btree)"""
+    """bytes of the window drafted per cycle; 0 = the head's n (fewer is exact: the marginal of the
+    first n positions; verifying fewer bytes is cheaper)"""
     greedy: str = "mode"
     """greedy drafts: mode (max-product window, as the MTPC code) | chain (argmax of each conditional in turn)"""
     cycle: str = "alg2"
@@ -96,8 +97,6 @@ class MTPCDrafter(Drafter):
         n = self.model.cfg.n
         if not 0 <= self.config.n <= n:
             raise ValueError(f"mtpc n={self.config.n}: the head's window is {n}")
-        if self.config.n and self.config.n < n and self.model.cfg.arch in ("btree", "cirkit"):
-            raise ValueError(f"mtpc: n smaller than the window is supported for ff/cp/hmm, not {self.model.cfg.arch}")
         self.shared_layer = None if self.model.draft is None else self.model.draft.start
         self.model.eval()
 
@@ -131,28 +130,34 @@ class MTPCDrafter(Drafter):
         self.length = len(tokens)
         if self.e is None:
             return Draft.empty()
-        m = len(self.given)
+        m, n = len(self.given), self.n
+        # positions of the circuit used: ff/cp/hmm cut to the marginal of the first n positions;
+        # btree and cirkit circuits keep their window and the draft is its first n bytes (a
+        # prefix of a window drawn from q is a draw from q's marginal: exact as well)
+        span = n if self.model.cfg.arch in ("ff", "cp", "hmm") else self.model.cfg.n
         evidence = observed = None
         if m:
-            evidence = torch.zeros(1, self.n, dtype=torch.long)
+            evidence = torch.zeros(1, span, dtype=torch.long)
             evidence[0, :m] = torch.tensor(self.given)
-            observed = torch.arange(self.n)[None] < m
+            observed = torch.arange(span)[None] < m
         if self.sampling:  # input units on demand: see LazyUnits
-            params, units = self.model.head.decode(self.e, self.n)
+            params, units = self.model.head.decode(self.e, span)
             if units is None:  # a plugged-in cirkit circuit: conditional by conditional
                 window = sample(params, self.gen, evidence, observed)[0]
             else:
                 units.upto(m)
                 states = sample_states(params, self.gen, evidence, observed)
-                window = sample_tokens(units.selected(states), self.gen, evidence, observed)[0]
-            return Draft(tokens=window[m:], parents=torch.arange(self.n - m),
+                drawn = sample_tokens(units.selected(states, n), self.gen, None if m == 0 else evidence[:, :n],
+                                      None if m == 0 else observed[:, :n])[0]
+                window = torch.cat([drawn, drawn.new_zeros(span - n)])  # later positions: never read
+            return Draft(tokens=window[m:n], parents=torch.arange(n - m),
                          draft_probs=LazyConditionals(params, window, m, units))
         params = self.model.head(self.e[None])
-        if self.n < params.n and isinstance(params, CircuitParams):  # the marginal of the first n positions
-            inner = None if params.inner is None else params.inner[:, : self.n - 1]
-            params = CircuitParams(params.arch, params.log_phi[:, : self.n], params.root, inner)
+        if span < params.n and isinstance(params, CircuitParams):  # the marginal of the first n positions
+            inner = None if params.inner is None else params.inner[:, : span - 1]
+            params = CircuitParams(params.arch, params.log_phi[:, :span], params.root, inner)
         pick = mode if self.config.greedy == "mode" else greedy_chain
-        return Draft.chain(pick(params, evidence, observed)[0, m:].tolist())
+        return Draft.chain(pick(params, evidence, observed)[0, m:n].tolist())
 
     def observe(self, step: StepOutput) -> None:
         kept_bonus = bool(step.new_tokens) and len(step.new_tokens) > len(step.accepted)

@@ -163,3 +163,21 @@ def test_greedy_chain_drafts_equal_ar(tiny_byte, arch, L):
     want = decode(target, Drafter(), prompt, 30).tokens
     res = decode(target, MTPCDrafter(MTPCDraftConfig(greedy="chain"), model=head), prompt, 30)
     assert res.tokens == want and res.draft_nodes > 0
+
+
+@pytest.mark.parametrize("arch", ["btree", "hmm"])
+def test_drafting_the_first_bytes_of_a_window_is_exact(small, tiny_byte, arch):
+    """n=2 on a window of 4: btree drafts the first 2 bytes of a full-window sample, hmm its
+    2-position marginal; both keep the target distribution, and greedy stays equal to AR."""
+    head = make_head(small, arch, 0, n=4, seed=4)
+    drafter = MTPCDrafter(MTPCDraftConfig(seed=1, n=2), model=head)
+    counts = two_token_counts(Target(small), drafter, 800)
+    assert chi2_pvalue(counts, exact_two_token_joint(small)) > 1e-3
+    res = decode(Target(small), drafter, PROMPT, 20, temperature=1.0, generator=torch.Generator().manual_seed(9))
+    assert 0 < res.draft_nodes <= 2 * res.target_calls and sum(res.accept_counts) > 0  # at most 2 per cycle
+    backbone, _ = tiny_byte
+    head = make_head(backbone, arch, 0, n=4)
+    prompt = [5, 17, 99, 3]
+    want = decode(Target(backbone), Drafter(), prompt, 30).tokens
+    got = decode(Target(backbone), MTPCDrafter(MTPCDraftConfig(n=2), model=head), prompt, 30)
+    assert got.tokens == want and 0 < got.draft_nodes <= 2 * got.target_calls
