@@ -122,6 +122,7 @@ class CirkitHead(nn.Module):
         self.n, self.vocab_size, self.hidden_size = n, V, d
         # a plain attribute, outside the module tree: its placeholder tensors are not weights
         self.__dict__["compiled"] = pipeline_context().compile(placeholder_copy(symbolic, n, V))
+        self.__dict__["integrate"] = IntegrateQuery(self.compiled)
         self.categoricals = [m for m in self.compiled.layers if isinstance(m, TorchBatchedCategoricalLayer)]
         self.sums = [m for m in self.compiled.layers if isinstance(m, TorchBatchedSumLayer)]
         g = torch.Generator().manual_seed(seed)
@@ -180,7 +181,7 @@ class CirkitParams:
         self._attach()
         if observed is None:
             return self.head.compiled(x)[:, 0, 0]
-        return IntegrateQuery(self.head.compiled)(x, integrate_vars=~observed)[:, 0, 0]
+        return self.head.integrate(x, integrate_vars=~observed)[:, 0, 0]
 
     def prefix_log_probs(self, x: Tensor, observed: Tensor | None = None) -> Tensor:
         """[B, n]: log q(x_1..x_{i+1}), one integration query per prefix length."""
@@ -191,10 +192,10 @@ class CirkitParams:
             out.append(self.log_prob(x, keep if observed is None else keep & observed))
         return torch.stack(out, 1)
 
-    @torch.no_grad()
     def next_log_probs(self, prefix: Tensor, i: int) -> Tensor:
         """log q(X_i = v | x_<i) for every v [B, V]: per example one query over V rows that differ
-        at position i, later positions integrated out (the example's parameters broadcast)."""
+        at position i, later positions integrated out (the example's parameters broadcast).
+        Differentiable: the KL-to-target loss (train/mtpc.py --kl-weight) trains through it."""
         V, B = self.head.vocab_size, prefix.shape[0]
         observed = (torch.arange(self.n, device=prefix.device) <= i).expand(V, -1)
         out = []
@@ -210,7 +211,8 @@ class CirkitParams:
         """A window [B, n] chosen position by position by `pick(log q(X_i | chosen so far))`;
         observed positions keep their evidence."""
         B = self.batch
-        window = torch.zeros(B, self.n, dtype=torch.long) if evidence is None else evidence.clone()
+        device = self.cats[0].device
+        window = torch.zeros(B, self.n, dtype=torch.long, device=device) if evidence is None else evidence.clone()
         for i in range(self.n):
             if observed is not None and bool(observed[:, i].all()):
                 continue

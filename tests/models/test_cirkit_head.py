@@ -49,6 +49,7 @@ def test_cirkit_head_queries_equal_brute_force(name):
             brute = p[b][tuple(x[b, : i + 1].tolist())].sum().log()
             torch.testing.assert_close(prefixes[b, i], brute, atol=1e-10, rtol=0)
     cond = next_log_probs(params, x, 2)  # q(X_3 | x_1, x_2)
+    assert cond.requires_grad  # the KL-to-target loss trains through the conditionals
     for b in range(2):
         marg = p[b][tuple(x[b, :2].tolist())].sum(dim=-1)  # [V] over X_3
         torch.testing.assert_close(cond[b], (marg / marg.sum()).log(), atol=1e-10, rtol=0)
