@@ -211,24 +211,50 @@ def next_log_probs(params: CircuitParams, prefix: torch.Tensor, i: int) -> torch
 
 @torch.no_grad()
 def next_log_probs_posterior(params: CircuitParams, prefix: torch.Tensor, i: int) -> torch.Tensor:
-    """`next_log_probs` in one upward and one backward pass instead of V upward passes (no
-    gradient to the parameters: for decoding). The circuit is multilinear in position i's input
-    units, so q(x_<i, X_i = v) = sum_u D_u phi_{i,u}(v), with D_u the derivative of the output
-    with respect to unit u; with position i summed out, d log q / d log-leaf_u = D_u / q(x_<i)
-    = pi_u, the posterior of unit u given the prefix, and q(X_i | x_<i) = sum_u pi_u phi_{i,u}."""
+    """`next_log_probs` in closed form, without V upward passes (no gradient: for decoding).
+    The circuit is multilinear in position i's input units, so with later positions summed out
+    q(x_<i, X_i = v) = sum_u G_u phi_{i,u}(v), where G_u is the derivative of the output with
+    respect to unit u (its "outside" value given the prefix); so q(X_i | x_<i) = sum_u pi_u
+    phi_{i,u} with pi = G / sum(G), the posterior of position i's unit given the prefix.
+    FF: pi is trivial; CP: root * prod of the prefix leaves; HMM: the forward algorithm's
+    prediction; BTree: `_btree_outside`, top-down along i's path."""
     if not isinstance(params, CircuitParams):
         return params.next_log_probs(prefix, i)
-    B, n = prefix.shape[0], params.n
-    observed = torch.zeros(B, n, dtype=torch.bool, device=prefix.device)
-    observed[:, :i] = True
-    with torch.enable_grad():
-        leaves = leaf_values(params, prefix, observed).detach().requires_grad_(True)
-        detached = CircuitParams(params.arch, params.log_phi.detach(),
-                                 None if params.root is None else params.root.detach(),
-                                 None if params.inner is None else params.inner.detach())
-        (posterior,) = torch.autograd.grad(upward(detached, leaves).sum(), leaves)
-    log_post = posterior[:, i].clamp_min(1e-30).log()  # [B, r]
-    return torch.logsumexp(log_post[:, :, None] + params.log_phi[:, i], dim=1)  # [B, V]
+    arch, n = params.arch, params.n
+    if arch == "ff":
+        return params.log_phi[:, i, 0]
+    observed = (torch.arange(n, device=prefix.device) < i)[None].expand(prefix.shape[0], n)
+    leaves = leaf_values(params, prefix, observed)  # [B, n, r]; positions >= i summed out
+    if arch == "cp":
+        log_outside = params.root.log() + leaves[:, :i].sum(1)
+    elif arch == "hmm":  # alpha_p = q(x_<=p, z_p); predicted: q(x_<i, z_i) = W_{i-1}^T alpha_{i-1}
+        log_outside = params.root.log()
+        for p in range(i):
+            log_outside = _logmatvec(params.inner[:, p].transpose(-1, -2), log_outside + leaves[:, p])
+    elif arch == "btree":
+        log_outside = _btree_outside(params, leaves, i)
+    else:
+        raise ValueError(f"unknown circuit arch {arch!r}; choose from {ARCHS}")
+    return torch.logsumexp(log_outside.log_softmax(-1)[:, :, None] + params.log_phi[:, i], dim=1)  # [B, V]
+
+
+def _btree_outside(params: CircuitParams, leaves: torch.Tensor, i: int) -> torch.Tensor:
+    """log outside values [B, r] of leaf i's units: d q / d leaf_{i,u} with `leaves` [B, n, r]
+    (positions >= i summed out). One upward pass keeps every node's value c; then top-down along
+    i's path, each node's outside value is pushed through its parent's weights and multiplied by
+    its sibling's value (complete if the sibling lies before i, 1 if after):
+        G_child[u] = sum_o G_parent[o] W_parent[o, u] * c_sibling[u],  G_top[u] = root[u] c_sibling[u]."""
+    values, c = [leaves], leaves  # values[j]: the nodes spanning 2^j positions
+    levels = _btree_levels(params.n)
+    for start, nodes in levels:
+        c = _logmatvec(params.inner[:, start:start + nodes], c[:, 0::2] + c[:, 1::2])
+        values.append(c)
+    top = len(levels)
+    g = params.root.log() + values[top][:, (i >> top) ^ 1]
+    for j in range(top, 0, -1):  # node (j, i >> j) is inner node levels[j - 1][0] + (i >> j)
+        w = params.inner[:, levels[j - 1][0] + (i >> j)]
+        g = _logmatvec(w.transpose(-1, -2), g) + values[j - 1][:, (i >> (j - 1)) ^ 1]
+    return g
 
 
 def _draw(log_probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -22,7 +22,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from mtpkit.models.circuits import ARCHS, CircuitParams, num_inner, prefix_log_probs
+from mtpkit.models.circuits import ARCHS, CircuitParams, _btree_levels, _draw, num_inner, prefix_log_probs, sample_tokens
 
 
 @dataclasses.dataclass
@@ -157,6 +157,9 @@ class LazyUnits:
         """log phi of the unit `states` [1, n] selects at each position: [1, n, V] (only the first
         `upto` positions if given)."""
         n, V = upto or self.log_phi.shape[1], self.log_phi.shape[-1]
+        if self.log_phi.shape[2] == 1:  # FF: one unit per position, so all of them in one product
+            self.upto(n)
+            return self.log_phi[:, :n, 0]
         out = torch.empty(1, n, V, dtype=self.h.dtype, device=self.h.device)
         if self.ready:
             done = min(self.ready, n)
@@ -166,6 +169,115 @@ class LazyUnits:
             rows = [unembed[i, s] @ self.h for i, s in enumerate(states[0, :n].tolist()) if i >= self.ready]
             out[0, self.ready:] = torch.stack(rows).log_softmax(-1)
         return out
+
+
+class LazyBTree:
+    """A BTree head's circuit for ONE hidden state, as a speculative-sampling cycle uses it: draw
+    a window, then answer the verifier's conditionals q(X_i | x_<i) one position at a time,
+    computing only what those read. The full head would project all n - 2 inner nodes' r x r
+    weights (n r^2 d multiply-adds) and run an upward and a backward pass per conditional.
+
+    - `sample` draws top-down like `circuits.sample`, and from the same generator draws the same
+      window: each inner node reads only the row of its parent's choice (r x d of its
+      projection), plus, where the evidence (the kept bonus byte) lies below it, the upward values
+      of its children;
+    - `conditional(i)` is `circuits.next_log_probs_posterior` in its BTree form, node by node:
+      the outside value of each node on i's path comes from its parent's and its sibling's
+      upward value (complete if the sibling lies before i, exactly 1 if after). Full node weights,
+      upward and outside values are kept per node, so the conditionals of one cycle share them
+      and position i + 1 mostly reuses position i's path.
+    Input units are `self.units` (`LazyUnits`): all r units only up to the verified position."""
+
+    def __init__(self, head: MTPCHead, hidden: torch.Tensor):
+        if head.cfg.arch != "btree":
+            raise ValueError(f"LazyBTree needs a btree head, got {head.cfg.arch!r}")
+        self.head, self.r = head, head.cfg.units
+        self.h = hidden.to(head.unembed.dtype)
+        self.units = LazyUnits(head, self.h, head.cfg.n)
+        self.levels = _btree_levels(head.cfg.n)  # inner levels, bottom-up: (first node, nodes)
+        with torch.no_grad():
+            self.log_root = (head.root @ self.h + head.root_bias).log_softmax(-1)  # [r]
+        self.window = torch.zeros(head.cfg.n, dtype=torch.long, device=self.h.device)
+        self.weights: dict[tuple[int, int], torch.Tensor] = {}  # (level, k) -> log W [r, r]
+        self.up: dict[tuple, torch.Tensor] = {}       # (level, k[, limit]) -> upward log value [r]
+        self.outside: dict[tuple[int, int], torch.Tensor] = {}  # (level, k) -> outside log value [r]
+
+    def _log_weights(self, level: int, k: int) -> torch.Tensor:
+        """log W [r, r] of node k of inner level `level` (rows: the node's units)."""
+        if (level, k) not in self.weights:
+            node = self.levels[level][0] + k
+            logits = self.head.inner[node] @ self.h + self.head.inner_bias[node]
+            self.weights[level, k] = logits.view(self.r, self.r).log_softmax(-1)
+        return self.weights[level, k]
+
+    def _upward(self, level: int, k: int, limit: int) -> torch.Tensor | None:
+        """log value [r] of node k of `level` (-1: the leaves) with the window's positions < limit
+        observed and the rest summed out; None where nothing is observed (the value is 1)."""
+        size = 2 ** (level + 1)
+        if limit <= k * size:
+            return None
+        key = (level, k) if limit >= (k + 1) * size else (level, k, limit)
+        if key not in self.up:
+            if level == -1:
+                self.up[key] = self.units.log_phi[0, k, :, self.window[k]]
+            else:
+                left, right = self._upward(level - 1, 2 * k, limit), self._upward(level - 1, 2 * k + 1, limit)
+                prod = left if right is None else left + right
+                self.up[key] = torch.logsumexp(self._log_weights(level, k) + prod, dim=-1)
+        return self.up[key]
+
+    def _outside(self, level: int, k: int) -> torch.Tensor:
+        """log outside value [r] of node k of `level` given the positions before it (those after
+        it summed out): the same for every position inside the node."""
+        if (level, k) not in self.outside:
+            if level == len(self.levels) - 1:
+                g = self.log_root
+            else:
+                parent = self._outside(level + 1, k // 2)
+                g = torch.logsumexp(parent[:, None] + self._log_weights(level + 1, k // 2), dim=0)
+            sibling = self._upward(level, k ^ 1, k * 2 ** (level + 1))
+            self.outside[level, k] = g if sibling is None else g + sibling
+        return self.outside[level, k]
+
+    @torch.no_grad()
+    def sample(self, generator: torch.Generator, given: list[int], n: int) -> torch.Tensor:
+        """A window [n_head] from q(x | x_<m = given) (m = len(given)); only its first `n`
+        positions are drawn, the rest stay 0 (a prefix of a window is a draw of the marginal)."""
+        m, r = len(given), self.r
+        self.window.zero_()
+        self.window[:m] = torch.tensor(given, dtype=torch.long)
+        self.up.clear()
+        self.outside.clear()
+        self.units.upto(m)
+        top = len(self.levels) - 1
+
+        def message(level: int, k: int) -> torch.Tensor | float:  # upward value of node's children
+            left, right = self._upward(level - 1, 2 * k, m), self._upward(level - 1, 2 * k + 1, m)
+            return 0.0 if left is None else left if right is None else left + right
+
+        choice = _draw((self.log_root + message(top + 1, 0))[None], generator)  # [1]
+        state = choice.repeat(2)
+        for level in range(top, -1, -1):
+            nodes = torch.arange(self.levels[level][0], self.levels[level][0] + len(state), device=state.device)
+            rows = state[:, None] * r + torch.arange(r, device=state.device)  # [nodes, r]
+            logits = (self.head.inner[nodes[:, None], rows] @ self.h) + self.head.inner_bias[nodes[:, None], rows]
+            log_rows = logits.log_softmax(-1)
+            if m:
+                log_rows = torch.stack([row + message(level, k) for k, row in enumerate(log_rows)])
+            state = _draw(log_rows[None], generator)[0].repeat_interleave(2)
+        evidence = self.window[None, :n]
+        observed = (torch.arange(n, device=state.device) < m)[None]
+        drawn = sample_tokens(self.units.selected(state[None], n), generator, evidence if m else None,
+                              observed if m else None)[0]
+        self.window[m:n] = drawn[m:]
+        return self.window.clone()
+
+    @torch.no_grad()
+    def conditional(self, i: int) -> torch.Tensor:
+        """log q(X_i | x_<i) [V] for the window drawn last."""
+        self.units.upto(i + 1)
+        g = self._outside(-1, i)
+        return torch.logsumexp(g.log_softmax(-1)[:, None] + self.units.log_phi[0, i], dim=0)
 
 
 def window_targets(labels: torch.Tensor, n: int, ignore: int = -100) -> tuple[torch.Tensor, torch.Tensor]:

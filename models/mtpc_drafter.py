@@ -42,7 +42,7 @@ from transformers import DynamicCache
 from mtpkit.models.circuits import (CircuitParams, greedy_chain, mode, next_log_probs_posterior, sample,
                                     sample_states, sample_tokens)
 from mtpkit.models.drafter import Draft, Drafter, StepOutput
-from mtpkit.models.mtpc import LazyUnits, MTPCModel, load_head
+from mtpkit.models.mtpc import LazyBTree, MTPCModel, load_head
 
 CYCLES = ("alg2", "bonus")
 
@@ -63,16 +63,15 @@ class MTPCDraftConfig:
 
 
 class LazyConditionals:
-    """draft_probs for the verifier: row j is q(X_{offset+j} | window[:offset+j]) over V, on demand."""
+    """draft_probs for the verifier: row j is q(X_{offset+j} | window[:offset+j]) over V,
+    computed on first use by `log_conditional(position)`."""
 
-    def __init__(self, params: CircuitParams, window: torch.Tensor, offset: int, units: LazyUnits | None = None):
-        self.params, self.window, self.offset, self.units, self.rows = params, window[None], offset, units, {}
+    def __init__(self, log_conditional, offset: int):
+        self.log_conditional, self.offset, self.rows = log_conditional, offset, {}
 
     def __getitem__(self, j: int) -> torch.Tensor:
         if j not in self.rows:
-            if self.units is not None:  # the query reads the units of positions <= offset + j
-                self.units.upto(self.offset + j + 1)
-            self.rows[j] = next_log_probs_posterior(self.params, self.window, self.offset + j)[0].exp()
+            self.rows[j] = self.log_conditional(self.offset + j).exp()
         return self.rows[j]
 
 
@@ -140,24 +139,39 @@ class MTPCDrafter(Drafter):
             evidence = torch.zeros(1, span, dtype=torch.long)
             evidence[0, :m] = torch.tensor(self.given)
             observed = torch.arange(span)[None] < m
-        if self.sampling:  # input units on demand: see LazyUnits
-            params, units = self.model.head.decode(self.e, span)
-            if units is None:  # a plugged-in cirkit circuit: conditional by conditional
-                window = sample(params, self.gen, evidence, observed)[0]
-            else:
-                units.upto(m)
-                states = sample_states(params, self.gen, evidence, observed)
-                drawn = sample_tokens(units.selected(states, n), self.gen, None if m == 0 else evidence[:, :n],
-                                      None if m == 0 else observed[:, :n])[0]
-                window = torch.cat([drawn, drawn.new_zeros(span - n)])  # later positions: never read
+        if self.sampling:  # input units (and btree sum weights) on demand: see LazyUnits, LazyBTree
+            window, log_conditional = self._sample(evidence, observed, span)
             return Draft(tokens=window[m:n], parents=torch.arange(n - m),
-                         draft_probs=LazyConditionals(params, window, m, units))
+                         draft_probs=LazyConditionals(log_conditional, m))
         params = self.model.head(self.e[None])
         if span < params.n and isinstance(params, CircuitParams):  # the marginal of the first n positions
             inner = None if params.inner is None else params.inner[:, : span - 1]
             params = CircuitParams(params.arch, params.log_phi[:, :span], params.root, inner)
         pick = mode if self.config.greedy == "mode" else greedy_chain
         return Draft.chain(pick(params, evidence, observed)[0, m:n].tolist())
+
+    def _sample(self, evidence, observed, span: int):
+        """A window [span] drawn from the circuit of e given the kept bytes, and the function
+        giving its conditionals log q(X_i | window[:i])."""
+        m, n, head = len(self.given), self.n, self.model.head
+        if self.model.cfg.arch == "btree":
+            tree = LazyBTree(head, self.e)
+            return tree.sample(self.gen, self.given, n), tree.conditional
+        params, units = head.decode(self.e, span)
+        if units is None:  # a plugged-in cirkit circuit: conditional by conditional
+            window = sample(params, self.gen, evidence, observed)[0]
+        else:
+            units.upto(m)
+            states = sample_states(params, self.gen, evidence, observed)
+            drawn = sample_tokens(units.selected(states, n), self.gen, None if m == 0 else evidence[:, :n],
+                                  None if m == 0 else observed[:, :n])[0]
+            window = torch.cat([drawn, drawn.new_zeros(span - n)])  # later positions: never read
+
+        def log_conditional(i: int) -> torch.Tensor:
+            if units is not None:  # the query reads the units of positions <= i
+                units.upto(i + 1)
+            return next_log_probs_posterior(params, window[None], i)[0]
+        return window, log_conditional
 
     def observe(self, step: StepOutput) -> None:
         kept_bonus = bool(step.new_tokens) and len(step.new_tokens) > len(step.accepted)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from mtpkit.models.circuits import (CircuitParams, _logmatvec, log_prob, next_log_probs_posterior, sample,
-                                    sample_states, sample_tokens)
-from mtpkit.models.mtpc import MTPCConfig, MTPCHead, window_loss, window_targets
+from mtpkit.models.circuits import (CircuitParams, _logmatvec, log_prob, next_log_probs, next_log_probs_posterior,
+                                    sample, sample_states, sample_tokens)
+from mtpkit.models.mtpc import LazyBTree, MTPCConfig, MTPCHead, window_loss, window_targets
 
 V, D = 11, 8
 
@@ -128,7 +128,8 @@ def test_lazy_decode_units_equal_the_full_head(arch):
         states = sample_states(params, g_lazy, evidence, observed)
         window = sample_tokens(units.selected(states), g_lazy, evidence, observed)
         assert torch.equal(window, sample(full, g_full, evidence, observed))
-        assert units.ready == m and float(units.log_phi[0, m:].abs().sum()) == 0.0  # nothing else computed
+        if arch != "ff":  # nothing else computed (FF's one unit per position is all its draw reads)
+            assert units.ready == m and float(units.log_phi[0, m:].abs().sum()) == 0.0
         for j in range(m, n):
             units.upto(j + 1)
             torch.testing.assert_close(next_log_probs_posterior(params, window, j),
@@ -143,3 +144,34 @@ def test_lazy_decode_units_equal_the_full_head(arch):
         cut = CircuitParams(arch, full.log_phi[:, :3], full.root, inner)
         torch.testing.assert_close(log_prob(params.index(torch.zeros(4, dtype=torch.long)), x),
                                    log_prob(cut.index(torch.zeros(4, dtype=torch.long)), x))
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_lazy_btree_draws_the_same_windows_and_conditionals_as_the_full_head(n):
+    """`LazyBTree` (the BTree sampling cycle) draws the same window as `sample` on the full head
+    from the same generator, with and without kept bytes, also when only a prefix is drafted;
+    its conditionals equal the enumerated ones; and it projects only the weights it reads."""
+    r = 3
+    head = trained_looking("btree", n, r, seed=4)
+    h = torch.randn(D, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    full = head(h[None])
+    levels = n.bit_length() - 2  # inner levels: n/2, n/4, ..., 2 nodes
+    for m in range(0, min(n, 3)):
+        given = windows(1, n, seed=5)[0, :m].tolist()
+        evidence = observed = None
+        if m:
+            evidence, observed = windows(1, n, seed=5), torch.arange(n)[None] < m
+        expected = sample(full, torch.Generator().manual_seed(3), evidence, observed)[0]
+        for drafted in sorted({n, max(m, 1), (n + m + 1) // 2}):
+            tree = LazyBTree(head, h)
+            window = tree.sample(torch.Generator().manual_seed(3), given, drafted)
+            assert torch.equal(window[:drafted], expected[:drafted]), (m, drafted)
+            assert not window[drafted:].any()
+        assert tree.units.ready == m
+        if m == 0:
+            assert not tree.weights  # drawing read single rows only
+        for i in range(m, n):
+            got = tree.conditional(i)
+            if i == m == 0:  # the first conditional reads the units of one position and its path
+                assert tree.units.ready == 1 and len(tree.weights) == levels
+            torch.testing.assert_close(got, next_log_probs(full, window[None], i)[0], rtol=1e-9, atol=1e-9)
