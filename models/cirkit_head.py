@@ -143,8 +143,9 @@ class CirkitHead(nn.Module):
         return CirkitParams(self, cats, sums)
 
     @torch.no_grad()
-    def decode(self, hidden: Tensor, n: int = 0) -> tuple["CirkitParams", None]:
-        """The circuit of one hidden state [d] (the drafter's entry point; no lazy units)."""
+    def decode(self, hidden: Tensor, n: int = 0, units_dtype: torch.dtype | None = None) -> tuple["CirkitParams", None]:
+        """The circuit of one hidden state [d] (the drafter's entry point; no lazy units, so
+        `units_dtype` is not used)."""
         if n and n != self.n:
             raise ValueError(f"a cirkit head drafts its whole window of {self.n}, not n={n}")
         return self(hidden[None]), None

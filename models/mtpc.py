@@ -96,7 +96,8 @@ class MTPCHead(nn.Module):
         return CircuitParams(self.cfg.arch, log_phi, *self._sums(h))
 
     @torch.no_grad()
-    def decode(self, hidden: torch.Tensor, n: int = 0) -> tuple[CircuitParams, "LazyUnits"]:
+    def decode(self, hidden: torch.Tensor, n: int = 0, units_dtype: torch.dtype | None = None
+               ) -> tuple[CircuitParams, "LazyUnits"]:
         """The circuit of ONE hidden state [d] over the first `n` window positions (0 = all; a
         marginal of the window for ff/cp/hmm), with its input units left to compute on demand:
         `params.log_phi` is the buffer `units` fills (see `LazyUnits`)."""
@@ -104,11 +105,21 @@ class MTPCHead(nn.Module):
         if n < self.cfg.n and self.cfg.arch == "btree":
             raise ValueError("a btree window cannot be cut: its tree spans the whole window")
         h = hidden.to(self.unembed.dtype)
-        units = LazyUnits(self, h, n)
+        units = LazyUnits(self, h, n, units_dtype)
         root, inner = self._sums(h[None])
         if inner is not None and self.cfg.arch == "hmm":
             inner = inner[:, : n - 1]
         return CircuitParams(self.cfg.arch, units.log_phi, root, inner), units
+
+    @torch.no_grad()
+    def unembed_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The unembeddings in `dtype` for decoding, converted once (again after a weight update)."""
+        if dtype == self.unembed.dtype:
+            return self.unembed
+        key = (dtype, self.unembed._version)
+        if getattr(self, "_unembed_copy", (None,))[0] != key:
+            self._unembed_copy = (key, self.unembed.detach().to(dtype))
+        return self._unembed_copy[1]
 
     def _sums(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The sum-unit weights of rows h [B, d]: root [B, r] and inner [B, L, r, r] (None for FF)."""
@@ -138,18 +149,29 @@ class LazyUnits:
     positions; the circuit queries read it only there (`circuits.sample_states` at observed
     positions, `next_log_probs_posterior(.., i)` at positions <= i)."""
 
-    def __init__(self, head: MTPCHead, h: torch.Tensor, n: int):
+    def __init__(self, head: MTPCHead, h: torch.Tensor, n: int, dtype: torch.dtype | None = None):
         self.head, self.h, self.ready = head, h, 0
+        # the products may read the unembeddings in a lower precision (bfloat16 halves the bytes
+        # of this memory-bound product); the units stay in h's precision, and a draw and the
+        # conditionals read the same values, so speculative sampling stays exact
+        self.weights = head.unembed_as(dtype or head.unembed.dtype)
+        self.hw = h.to(self.weights.dtype)
         r, V = head.unembed.shape[1:3]
         self.log_phi = torch.zeros(1, n, r, V, dtype=h.dtype, device=h.device)
+        self.drawn: dict[int, tuple[int, torch.Tensor]] = {}  # position -> (unit, log phi) `selected` gave
 
     @torch.no_grad()
     def upto(self, i: int) -> None:
         """Compute every unit of positions < i."""
         i = min(i, self.log_phi.shape[1])
         if i > self.ready:
-            w = self.head.unembed[self.ready:i]  # [k, r, V, d]
-            self.log_phi[0, self.ready:i] = (w.reshape(-1, w.shape[-1]) @ self.h).view(w.shape[:3]).log_softmax(-1)
+            w = self.weights[self.ready:i]  # [k, r, V, d]
+            logits = (w.reshape(-1, w.shape[-1]) @ self.hw).view(w.shape[:3]).to(self.h.dtype)
+            self.log_phi[0, self.ready:i] = logits.log_softmax(-1)
+            for p in range(self.ready, i):  # the very values a byte was drawn from (another product's
+                if p in self.drawn:         # rounding could differ in the last bits)
+                    unit, row = self.drawn.pop(p)
+                    self.log_phi[0, p, unit] = row
             self.ready = i
 
     @torch.no_grad()
@@ -165,9 +187,10 @@ class LazyUnits:
             done = min(self.ready, n)
             out[0, :done] = self.log_phi[0, :done].gather(1, states[0, :done, None, None].expand(-1, 1, V)).squeeze(1)
         if self.ready < n:  # one matrix-vector product per position on a view (no gather copy)
-            unembed = self.head.unembed
-            rows = [unembed[i, s] @ self.h for i, s in enumerate(states[0, :n].tolist()) if i >= self.ready]
-            out[0, self.ready:] = torch.stack(rows).log_softmax(-1)
+            units = states[0, self.ready:n].tolist()
+            rows = [self.weights[i, s] @ self.hw for i, s in enumerate(units, start=self.ready)]
+            out[0, self.ready:] = torch.stack(rows).to(self.h.dtype).log_softmax(-1)
+            self.drawn = {i: (s, out[0, i]) for i, s in enumerate(units, start=self.ready)}
         return out
 
 
@@ -188,26 +211,26 @@ class LazyBTree:
       and position i + 1 mostly reuses position i's path.
     Input units are `self.units` (`LazyUnits`): all r units only up to the verified position."""
 
-    def __init__(self, head: MTPCHead, hidden: torch.Tensor):
+    def __init__(self, head: MTPCHead, hidden: torch.Tensor, units_dtype: torch.dtype | None = None):
         if head.cfg.arch != "btree":
             raise ValueError(f"LazyBTree needs a btree head, got {head.cfg.arch!r}")
         self.head, self.r = head, head.cfg.units
         self.h = hidden.to(head.unembed.dtype)
-        self.units = LazyUnits(head, self.h, head.cfg.n)
+        self.units = LazyUnits(head, self.h, head.cfg.n, units_dtype)
         self.levels = _btree_levels(head.cfg.n)  # inner levels, bottom-up: (first node, nodes)
         with torch.no_grad():
             self.log_root = (head.root @ self.h + head.root_bias).log_softmax(-1)  # [r]
-        self.window = torch.zeros(head.cfg.n, dtype=torch.long, device=self.h.device)
-        self.weights: dict[tuple[int, int], torch.Tensor] = {}  # (level, k) -> log W [r, r]
+        self.tokens: list[int] = []   # the window drawn last
+        self.weights: dict[tuple[int, int], torch.Tensor] = {}  # (level, k) -> W [r, r] (rows: the node's units)
         self.up: dict[tuple, torch.Tensor] = {}       # (level, k[, limit]) -> upward log value [r]
         self.outside: dict[tuple[int, int], torch.Tensor] = {}  # (level, k) -> outside log value [r]
 
-    def _log_weights(self, level: int, k: int) -> torch.Tensor:
-        """log W [r, r] of node k of inner level `level` (rows: the node's units)."""
+    def _weights(self, level: int, k: int) -> torch.Tensor:
+        """W [r, r] of node k of inner level `level` (probabilities; rows sum to 1)."""
         if (level, k) not in self.weights:
             node = self.levels[level][0] + k
             logits = self.head.inner[node] @ self.h + self.head.inner_bias[node]
-            self.weights[level, k] = logits.view(self.r, self.r).log_softmax(-1)
+            self.weights[level, k] = logits.view(self.r, self.r).softmax(-1)
         return self.weights[level, k]
 
     def _upward(self, level: int, k: int, limit: int) -> torch.Tensor | None:
@@ -219,11 +242,10 @@ class LazyBTree:
         key = (level, k) if limit >= (k + 1) * size else (level, k, limit)
         if key not in self.up:
             if level == -1:
-                self.up[key] = self.units.log_phi[0, k, :, self.window[k]]
+                self.up[key] = self.units.log_phi[0, k, :, self.tokens[k]]
             else:
                 left, right = self._upward(level - 1, 2 * k, limit), self._upward(level - 1, 2 * k + 1, limit)
-                prod = left if right is None else left + right
-                self.up[key] = torch.logsumexp(self._log_weights(level, k) + prod, dim=-1)
+                self.up[key] = _log_matvec(self._weights(level, k), left if right is None else left + right)
         return self.up[key]
 
     def _outside(self, level: int, k: int) -> torch.Tensor:
@@ -233,8 +255,7 @@ class LazyBTree:
             if level == len(self.levels) - 1:
                 g = self.log_root
             else:
-                parent = self._outside(level + 1, k // 2)
-                g = torch.logsumexp(parent[:, None] + self._log_weights(level + 1, k // 2), dim=0)
+                g = _log_matvec(self._weights(level + 1, k // 2).T, self._outside(level + 1, k // 2))
             sibling = self._upward(level, k ^ 1, k * 2 ** (level + 1))
             self.outside[level, k] = g if sibling is None else g + sibling
         return self.outside[level, k]
@@ -243,9 +264,8 @@ class LazyBTree:
     def sample(self, generator: torch.Generator, given: list[int], n: int) -> torch.Tensor:
         """A window [n_head] from q(x | x_<m = given) (m = len(given)); only its first `n`
         positions are drawn, the rest stay 0 (a prefix of a window is a draw of the marginal)."""
-        m, r = len(given), self.r
-        self.window.zero_()
-        self.window[:m] = torch.tensor(given, dtype=torch.long)
+        m, r, head = len(given), self.r, self.head
+        self.tokens = list(given)
         self.up.clear()
         self.outside.clear()
         self.units.upto(m)
@@ -257,20 +277,24 @@ class LazyBTree:
 
         choice = _draw((self.log_root + message(top + 1, 0))[None], generator)  # [1]
         state = choice.repeat(2)
+        if self.levels:
+            inner = head.inner.view(len(head.inner), r, r, -1)  # [L, r (unit), r (input), d]
+            bias = head.inner_bias.view(len(head.inner), r, r)
         for level in range(top, -1, -1):
-            nodes = torch.arange(self.levels[level][0], self.levels[level][0] + len(state), device=state.device)
-            rows = state[:, None] * r + torch.arange(r, device=state.device)  # [nodes, r]
-            logits = (self.head.inner[nodes[:, None], rows] @ self.h) + self.head.inner_bias[nodes[:, None], rows]
-            log_rows = logits.log_softmax(-1)
-            if m:
-                log_rows = torch.stack([row + message(level, k) for k, row in enumerate(log_rows)])
+            first, nodes = self.levels[level]
+            ids = torch.arange(first, first + nodes, device=state.device)
+            log_rows = (inner[ids, state] @ self.h + bias[ids, state]).log_softmax(-1)  # [nodes, r]
+            for k in range(-(-m // 2 ** (level + 1))):  # the nodes with evidence below them
+                log_rows[k] += message(level, k)
             state = _draw(log_rows[None], generator)[0].repeat_interleave(2)
-        evidence = self.window[None, :n]
+        window = torch.zeros(head.cfg.n, dtype=torch.long, device=state.device)
+        window[:m] = torch.tensor(given, dtype=torch.long)
         observed = (torch.arange(n, device=state.device) < m)[None]
-        drawn = sample_tokens(self.units.selected(state[None], n), generator, evidence if m else None,
+        drawn = sample_tokens(self.units.selected(state[None], n), generator, window[None, :n] if m else None,
                               observed if m else None)[0]
-        self.window[m:n] = drawn[m:]
-        return self.window.clone()
+        window[m:n] = drawn[m:]
+        self.tokens = window.tolist()
+        return window
 
     @torch.no_grad()
     def conditional(self, i: int) -> torch.Tensor:
@@ -278,6 +302,13 @@ class LazyBTree:
         self.units.upto(i + 1)
         g = self._outside(-1, i)
         return torch.logsumexp(g.log_softmax(-1)[:, None] + self.units.log_phi[0, i], dim=0)
+
+
+def _log_matvec(w: torch.Tensor, log_v: torch.Tensor) -> torch.Tensor:
+    """log(W @ exp(v)) for one vector: w [o, i] probabilities, log_v [i] (a few small ops;
+    `torch.logsumexp` over a broadcast [o, i] costs several times more at r = 32 on a CPU)."""
+    top = log_v.max()
+    return (w @ (log_v - top).exp()).log() + top
 
 
 def window_targets(labels: torch.Tensor, n: int, ignore: int = -100) -> tuple[torch.Tensor, torch.Tensor]:

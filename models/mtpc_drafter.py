@@ -45,6 +45,7 @@ from mtpkit.models.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.mtpc import LazyBTree, MTPCModel, load_head
 
 CYCLES = ("alg2", "bonus")
+UNIT_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # None: the head's own precision
 
 
 @dataclass
@@ -60,6 +61,9 @@ class MTPCDraftConfig:
     """alg2 (the paper's Algorithm 2, made exact for sampling) | bonus (keep every bonus, condition on it)"""
     seed: int = 0
     """seed of the drafter's own sampling (speculative sampling only)"""
+    units: str = "float32"
+    """precision the sampling path reads the head's unembeddings in: float32 | bfloat16 (half the
+    bytes of a memory-bound product; still exact, the verifier uses the q the draft came from)"""
 
 
 class LazyConditionals:
@@ -85,6 +89,8 @@ class MTPCDrafter(Drafter):
             raise ValueError(f"mtpc greedy must be mode or chain, got {config.greedy!r}")
         if config.cycle not in CYCLES:
             raise ValueError(f"mtpc cycle must be one of {CYCLES}, got {config.cycle!r}")
+        if config.units not in UNIT_DTYPES:
+            raise ValueError(f"mtpc units must be one of {tuple(UNIT_DTYPES)}, got {config.units!r}")
         self.config, self.model = config, model
         # seeded once, not per prompt: every decode must draw fresh windows (a window repeated
         # across runs is not a sample from q, and the acceptance rule would be biased)
@@ -154,10 +160,11 @@ class MTPCDrafter(Drafter):
         """A window [span] drawn from the circuit of e given the kept bytes, and the function
         giving its conditionals log q(X_i | window[:i])."""
         m, n, head = len(self.given), self.n, self.model.head
+        dtype = UNIT_DTYPES[self.config.units]
         if self.model.cfg.arch == "btree":
-            tree = LazyBTree(head, self.e)
+            tree = LazyBTree(head, self.e, dtype)
             return tree.sample(self.gen, self.given, n), tree.conditional
-        params, units = head.decode(self.e, span)
+        params, units = head.decode(self.e, span, dtype)
         if units is None:  # a plugged-in cirkit circuit: conditional by conditional
             window = sample(params, self.gen, evidence, observed)[0]
         else:

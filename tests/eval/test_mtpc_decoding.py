@@ -131,12 +131,15 @@ def exact_two_token_joint(model):
     return first[:, None] * second
 
 
-@pytest.mark.parametrize("arch,L,cycle", [("btree", 0, "alg2"), ("hmm", 1, "alg2"), ("cp", 0, "bonus"),
-                                         ("cirkit", 0, "alg2")])
-def test_speculative_sampling_with_a_circuit_draft_is_exact(small, arch, L, cycle):
+@pytest.mark.parametrize("arch,L,cycle,units", [("btree", 0, "alg2", "float32"), ("hmm", 1, "alg2", "float32"),
+                                               ("cp", 0, "bonus", "float32"), ("cirkit", 0, "alg2", "float32"),
+                                               ("btree", 1, "alg2", "bfloat16")])
+def test_speculative_sampling_with_a_circuit_draft_is_exact(small, arch, L, cycle, units):
+    """units=bfloat16: the units are products in bfloat16, and the verifier must use the very q
+    each byte was drawn from"""
     head = make_head(small, arch, L, n=2, seed=4)
     target = Target(small)
-    drafter = MTPCDrafter(MTPCDraftConfig(seed=1, cycle=cycle), model=head)
+    drafter = MTPCDrafter(MTPCDraftConfig(seed=1, cycle=cycle, units=units), model=head)
     counts = two_token_counts(target, drafter, 800)
     assert chi2_pvalue(counts, exact_two_token_joint(small)) > 1e-3
     # the drafts were really sampled from the circuit and partly accepted
