@@ -27,9 +27,11 @@ code's argmax query), or with `greedy=chain` the argmax of each conditional in t
 marginal, not one latent path: better for an undertrained mixture whose best single path is
 not its typical output); speculative sampling (Algorithm 3) draws the window from the circuit and
 hands the verifier its conditionals q(x_j | x_<j) = q(x_1..j) / q(x_1..j-1) lazily, only for
-the positions it visits. Under sampling the head's input units are computed lazily too
-(`LazyUnits`): all r units only for the positions conditioned on or verified, one unit per other
-position; greedy drafts compute the whole head (the mode and the chain read every unit).
+the positions it visits, in closed form (`circuits.next_log_probs_posterior`). Under sampling the
+head's input units are computed lazily too (`LazyUnits`): all r units only for the positions
+conditioned on or verified, one unit per other position; a BTree cycle (`LazyBTree`) also
+projects only the sum weights its draws and conditionals read. Greedy drafts compute the whole
+head (the mode and the chain read every unit).
 """
 
 from __future__ import annotations
