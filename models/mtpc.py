@@ -112,14 +112,17 @@ class MTPCHead(nn.Module):
         return CircuitParams(self.cfg.arch, units.log_phi, root, inner), units
 
     @torch.no_grad()
-    def unembed_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """The unembeddings in `dtype` for decoding, converted once (again after a weight update)."""
-        if dtype == self.unembed.dtype:
-            return self.unembed
-        key = (dtype, self.unembed._version)
-        if getattr(self, "_unembed_copy", (None,))[0] != key:
-            self._unembed_copy = (key, self.unembed.detach().to(dtype))
-        return self._unembed_copy[1]
+    def weight_as(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Parameter `name` ("unembed", "inner") in `dtype` for decoding, converted once (again
+        after a weight update)."""
+        weight = getattr(self, name)
+        if dtype == weight.dtype:
+            return weight
+        key = (dtype, weight._version)
+        copies = self.__dict__.setdefault("_decode_copies", {})
+        if copies.get(name, (None,))[0] != key:
+            copies[name] = (key, weight.detach().to(dtype))
+        return copies[name][1]
 
     def _sums(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The sum-unit weights of rows h [B, d]: root [B, r] and inner [B, L, r, r] (None for FF)."""
@@ -154,7 +157,7 @@ class LazyUnits:
         # the products may read the unembeddings in a lower precision (bfloat16 halves the bytes
         # of this memory-bound product); the units stay in h's precision, and a draw and the
         # conditionals read the same values, so speculative sampling stays exact
-        self.weights = head.unembed_as(dtype or head.unembed.dtype)
+        self.weights = head.weight_as("unembed", dtype or head.unembed.dtype)
         self.hw = h.to(self.weights.dtype)
         r, V = head.unembed.shape[1:3]
         self.log_phi = torch.zeros(1, n, r, V, dtype=h.dtype, device=h.device)
@@ -209,7 +212,9 @@ class LazyBTree:
       upward value (complete if the sibling lies before i, exactly 1 if after). Full node weights,
       upward and outside values are kept per node, so the conditionals of one cycle share them
       and position i + 1 mostly reuses position i's path.
-    Input units are `self.units` (`LazyUnits`): all r units only up to the verified position."""
+    Input units are `self.units` (`LazyUnits`): all r units only up to the verified position.
+    With `units_dtype` (bfloat16) the inner projections are read in it too; a row a draw read is
+    the row its node's full weights use later (`drawn`), so draws and conditionals agree exactly."""
 
     def __init__(self, head: MTPCHead, hidden: torch.Tensor, units_dtype: torch.dtype | None = None):
         if head.cfg.arch != "btree":
@@ -220,8 +225,14 @@ class LazyBTree:
         self.levels = _btree_levels(head.cfg.n)  # inner levels, bottom-up: (first node, nodes)
         with torch.no_grad():
             self.log_root = (head.root @ self.h + head.root_bias).log_softmax(-1)  # [r]
+        if self.levels:  # the inner projections, read in the units' precision too
+            inner = head.weight_as("inner", units_dtype or head.inner.dtype)
+            self.inner = inner.view(len(inner), self.r, self.r, -1)  # [L, r (unit), r (input), d]
+            self.inner_bias = head.inner_bias.view(len(inner), self.r, self.r)
+            self.hw = self.h.to(inner.dtype)
         self.tokens: list[int] = []   # the window drawn last
         self.weights: dict[tuple[int, int], torch.Tensor] = {}  # (level, k) -> W [r, r] (rows: the node's units)
+        self.drawn: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (level, k) -> (row, its logits) a draw read
         self.up: dict[tuple, torch.Tensor] = {}       # (level, k[, limit]) -> upward log value [r]
         self.outside: dict[tuple[int, int], torch.Tensor] = {}  # (level, k) -> outside log value [r]
 
@@ -229,8 +240,11 @@ class LazyBTree:
         """W [r, r] of node k of inner level `level` (probabilities; rows sum to 1)."""
         if (level, k) not in self.weights:
             node = self.levels[level][0] + k
-            logits = self.head.inner[node] @ self.h + self.head.inner_bias[node]
-            self.weights[level, k] = logits.view(self.r, self.r).softmax(-1)
+            logits = (self.inner[node] @ self.hw).to(self.h.dtype) + self.inner_bias[node]  # [r, r]
+            if (level, k) in self.drawn:  # the very row a draw used (another product may round differently)
+                row, values = self.drawn[level, k]
+                logits[row] = values
+            self.weights[level, k] = logits.softmax(-1)
         return self.weights[level, k]
 
     def _upward(self, level: int, k: int, limit: int) -> torch.Tensor | None:
@@ -264,7 +278,7 @@ class LazyBTree:
     def sample(self, generator: torch.Generator, given: list[int], n: int) -> torch.Tensor:
         """A window [n_head] from q(x | x_<m = given) (m = len(given)); only its first `n`
         positions are drawn, the rest stay 0 (a prefix of a window is a draw of the marginal)."""
-        m, r, head = len(given), self.r, self.head
+        m, head = len(given), self.head
         self.tokens = list(given)
         self.up.clear()
         self.outside.clear()
@@ -275,15 +289,19 @@ class LazyBTree:
             left, right = self._upward(level - 1, 2 * k, m), self._upward(level - 1, 2 * k + 1, m)
             return 0.0 if left is None else left if right is None else left + right
 
+        self.drawn.clear()
         choice = _draw((self.log_root + message(top + 1, 0))[None], generator)  # [1]
         state = choice.repeat(2)
-        if self.levels:
-            inner = head.inner.view(len(head.inner), r, r, -1)  # [L, r (unit), r (input), d]
-            bias = head.inner_bias.view(len(head.inner), r, r)
         for level in range(top, -1, -1):
             first, nodes = self.levels[level]
             ids = torch.arange(first, first + nodes, device=state.device)
-            log_rows = (inner[ids, state] @ self.h + bias[ids, state]).log_softmax(-1)  # [nodes, r]
+            logits = (self.inner[ids, state] @ self.hw).to(self.h.dtype) + self.inner_bias[ids, state]  # [nodes, r]
+            for k, row in enumerate(state.tolist()):
+                if (level, k) in self.weights:  # projected in full already (evidence below it)
+                    logits[k] = self.weights[level, k][row].log()
+                else:
+                    self.drawn[level, k] = (row, logits[k])
+            log_rows = logits.log_softmax(-1)
             for k in range(-(-m // 2 ** (level + 1))):  # the nodes with evidence below them
                 log_rows[k] += message(level, k)
             state = _draw(log_rows[None], generator)[0].repeat_interleave(2)

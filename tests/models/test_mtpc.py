@@ -175,3 +175,27 @@ def test_lazy_btree_draws_the_same_windows_and_conditionals_as_the_full_head(n):
             if i == m == 0:  # the first conditional reads the units of one position and its path
                 assert tree.units.ready == 1 and len(tree.weights) == levels
             torch.testing.assert_close(got, next_log_probs(full, window[None], i)[0], rtol=1e-9, atol=1e-9)
+
+
+def test_lazy_btree_in_bfloat16_verifies_with_the_rows_it_drew_from():
+    """units=bfloat16: products of other shapes may round differently, so the sum-weight rows
+    and input units a draw read are the ones the conditionals use afterwards (sampling exact)."""
+    head = trained_looking("btree", 8, 3, seed=2).float()
+    h = torch.randn(D, generator=torch.Generator().manual_seed(4))
+    tree = LazyBTree(head, h, torch.bfloat16)
+    tree.sample(torch.Generator().manual_seed(1), [], 8)
+    rows, units = dict(tree.drawn), dict(tree.units.drawn)
+    assert len(rows) == 4 + 2 and len(units) == 8  # every inner node and position drew from one row
+    with torch.no_grad():  # the full products now round differently (exaggerated)
+        tree.inner.add_(0.01)
+        tree.units.weights.add_(0.01)
+    for i in range(8):
+        tree.conditional(i)
+    checked = 0
+    for (level, k), (row, logits) in rows.items():
+        if (level, k) in tree.weights:
+            assert torch.equal(tree.weights[level, k][row], logits.softmax(-1))
+            checked += 1
+    assert checked == len(tree.weights) > 0
+    for position, (unit, log_phi) in units.items():
+        assert torch.equal(tree.units.log_phi[0, position, unit], log_phi)
