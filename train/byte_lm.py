@@ -36,7 +36,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mtpkit.data.bytes import build_corpus
 from mtpkit.data.chat import DataError
 from mtpkit.models.backbone import BYTE_LM, byte_tokenizer, cache_dir
-from mtpkit.train.checkpoints import prune_checkpoints, resume_folder
+from mtpkit.train.checkpoints import prune_checkpoints, resume_folder, supersede_metrics
 from mtpkit.train.config import ConfigError, add_config_args, resolve, to_yaml
 
 
@@ -200,6 +200,9 @@ def main(argv=None) -> dict:
         state = json.loads((resume / "trainer_state.json").read_text())
         step, trained_seconds = state["step"], state["trained_seconds"]
         tqdm.write(f"[resume] {resume} at step {step}")
+        moved = supersede_metrics(out / "metrics.jsonl", step)
+        if moved:
+            tqdm.write(f"[resume] {moved} metric line(s) logged after step {step} moved to metrics.superseded.jsonl")
 
     metrics_file = out / "metrics.jsonl"
     bar = tqdm(total=cfg.max_steps, initial=step, desc="byte-lm", unit="step")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -31,6 +32,29 @@ def prune_checkpoints(output_dir: Path, keep: int) -> None:
     done = checkpoints(output_dir)
     for old in done[: max(len(done) - keep, 0)]:
         shutil.rmtree(old)
+
+
+def supersede_metrics(metrics_file: Path, step: int) -> int:
+    """On resume from `step`: move the metric lines logged after it (the interrupted run's, which
+    the resumed run logs again) from metrics_file to metrics.superseded.jsonl beside it, so the
+    curves hold each step once and nothing is lost. Returns how many lines moved."""
+    metrics_file = Path(metrics_file)
+    if not metrics_file.is_file():
+        return 0
+    keep, moved = [], []
+    for line in metrics_file.read_text().splitlines():
+        try:
+            later = json.loads(line).get("step", 0) > step
+        except (json.JSONDecodeError, AttributeError):
+            later = False  # not ours to judge: kept where it was
+        (moved if later else keep).append(line)
+    if moved:
+        with open(metrics_file.with_name("metrics.superseded.jsonl"), "a") as f:
+            f.write("\n".join(moved) + "\n")
+        tmp = metrics_file.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(metrics_file)
+    return len(moved)
 
 
 def micro_batch(features, step: int, rank: int, world: int, batch_size: int, seed: int) -> list:

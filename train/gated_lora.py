@@ -38,7 +38,7 @@ from mtpkit.eval.report import write_training_plot
 from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
 from mtpkit.models.gated_drafter import DECODINGS, GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP, save_head
-from mtpkit.train.checkpoints import micro_batch, prune_checkpoints, resume_folder
+from mtpkit.train.checkpoints import micro_batch, prune_checkpoints, resume_folder, supersede_metrics
 from mtpkit.train.config import ConfigError, add_config_args, resolve, to_yaml
 
 
@@ -225,6 +225,9 @@ def main(argv=None) -> dict:
         state = json.loads((resume / "trainer_state.json").read_text())
         step, micro, tokens_seen = state["step"], state["micro_step"], state["tokens_seen"]
         log(f"[resume] {resume} at step {step}")
+        moved = supersede_metrics(out / "metrics.jsonl", step) if main_process else 0
+        if moved:
+            log(f"[resume] {moved} metric line(s) logged after step {step} moved to metrics.superseded.jsonl")
 
     metrics_file = out / "metrics.jsonl"
     bar = tqdm(total=cfg.max_steps, initial=step, desc="gated-lora", unit="step", disable=not main_process)

@@ -20,7 +20,8 @@ DDP (gloo on CPU, NCCL on GPU) averages the head and LoRA gradients.
 Writes to --output-dir: config.yaml, metrics.jsonl (loss, per-offset NLL, bytes/s; every
 --eval-every steps a held-out acceptance estimate), checkpoint-N/ (head.safetensors,
 optimizer.pt, trainer_state.json, config.yaml). `--resume auto` continues from the newest
-checkpoint with the same losses as an uninterrupted run. `--init-from DIR` starts from the
+checkpoint with the same losses as an uninterrupted run. A process that seems stuck prints
+every thread's stack on `kill -USR1 PID`. `--init-from DIR` starts from the
 head of an earlier run (the paper's two stages: heads first, then LoRA layers).
 
 The held-out estimate ("teacher-forced acceptance"): on held-out answers, the mean number of
@@ -34,8 +35,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
+import faulthandler
+import gc
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -50,7 +55,7 @@ from mtpkit.data.chat import IGNORE, DataError, load_examples, tokenize_chat
 from mtpkit.models.backbone import load_backbone
 from mtpkit.models.circuits import mode, next_log_probs
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel, window_loss, window_targets
-from mtpkit.train.checkpoints import micro_batch, prune_checkpoints, resume_folder
+from mtpkit.train.checkpoints import micro_batch, prune_checkpoints, resume_folder, supersede_metrics
 from mtpkit.train.config import ConfigError, add_config_args, resolve, to_yaml
 
 DEFAULT_BYTE_BACKBONE = "mtpkit-byte-lm"
@@ -106,6 +111,8 @@ class TrainConfig:
     """backbone dtype"""
     trust_remote_code: bool = False
     """allow custom model code (EvaByte)"""
+    dist_timeout: int = 1800
+    """seconds a process waits on the others in a collective before failing (under torchrun)"""
     model: MTPCConfig = dataclasses.field(default_factory=MTPCConfig)
 
 
@@ -247,7 +254,7 @@ def main(argv=None) -> dict:
     device = torch.device("cpu")
     if world > 1:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist_timeout))
         if backend == "nccl":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
@@ -288,6 +295,9 @@ def main(argv=None) -> dict:
         state = json.loads((resume / "trainer_state.json").read_text())
         step, micro, bytes_seen = state["step"], state["micro_step"], state["bytes_seen"]
         log(f"[resume] {resume} at step {step}")
+        moved = supersede_metrics(out / "metrics.jsonl", step) if main_process else 0
+        if moved:
+            log(f"[resume] {moved} metric line(s) logged after step {step} moved to metrics.superseded.jsonl")
 
     metrics_file = out / "metrics.jsonl"
     bar = tqdm(total=cfg.max_steps, initial=step, desc=f"mtpc-{cfg.model.arch}", unit="step", disable=not main_process)
@@ -366,9 +376,15 @@ def main(argv=None) -> dict:
                 dist.barrier()
     bar.close()
     if world > 1:
+        # DDP's reducer holds the process group: free it while every rank is still here, or a
+        # rank's exit can wait forever on its peer's closed sockets (seen 1 run in ~15 on gloo)
+        del ddp
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
     return result
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck run: `kill -USR1 PID` prints its stacks
     main()

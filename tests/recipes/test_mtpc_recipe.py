@@ -34,7 +34,7 @@ def steps(metrics: Path) -> list[dict]:
     return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
 
 
-def torchrun(args: list[str], timeout=600) -> subprocess.CompletedProcess:
+def torchrun(args: list[str], timeout=300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train/mtpc.py", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,25 @@
+"""What the training scripts share on resume: the interrupted run's metric lines after the
+resumed checkpoint are moved aside, not duplicated and not lost."""
+
+import json
+
+from mtpkit.train.checkpoints import supersede_metrics
+
+
+def test_supersede_metrics_moves_only_lines_after_the_checkpoint(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": float(s)}) for s in (5, 10, 15, 20)]
+    lines.insert(2, json.dumps({"step": 10, "sim_tau": 1.2}))
+    lines.append("not json")
+    metrics.write_text("\n".join(lines) + "\n")
+
+    assert supersede_metrics(metrics, 10) == 2
+    kept = metrics.read_text().splitlines()
+    assert kept == [lines[0], lines[1], lines[2], "not json"]
+    assert (tmp_path / "metrics.superseded.jsonl").read_text().splitlines() == [lines[3], lines[4]]
+
+    # a second interruption appends to the same side file; nothing later than 5 stays
+    assert supersede_metrics(metrics, 5) == 2
+    assert metrics.read_text().splitlines() == [lines[0], "not json"]
+    assert len((tmp_path / "metrics.superseded.jsonl").read_text().splitlines()) == 4
+    assert supersede_metrics(tmp_path / "absent.jsonl", 5) == 0
