@@ -17,7 +17,10 @@ Methods (`name` or `name:key=value,key=value`; results are keyed by the full spe
                      (precision of the unit products under sampling; exact either way)
   hf_ar              transformers' own generate() (peer baseline, no tau)
   hf_pld             transformers' generate(prompt_lookup_num_tokens=num): num=10, ngram=2
-`ar` always runs (it is every speed-up's denominator). Methods run interleaved prompt by
+`ar` always runs (it is every speed-up's denominator). Every method, `ar` included, runs on the
+same target: with `--linear onednn` (the default where available) its linear layers use
+oneDNN's prepacked kernel, which on CPU costs about the same for 1-5 rows (see
+mtpkit.models.packed_linear); `--linear stock` keeps torch's default. Methods run interleaved prompt by
 prompt, in an order rotated per prompt, so machine drift hits all of them alike.
 
 Writes results.json (per method and per category: tau, tokens_per_s, speedup_vs_ar,
@@ -46,6 +49,7 @@ from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbon
 from mtpkit.models.drafter import Drafter
 from mtpkit.models.gated_drafter import GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.mtpc_drafter import MTPCDraftConfig, MTPCDrafter
+from mtpkit.models.packed_linear import LINEARS, pack_linears
 from mtpkit.models.pld import PLDConfig, PLDDrafter
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
 
@@ -122,6 +126,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/bench/results.json",
                    help="results JSON; results.md and results.png are written beside it (default: %(default)s)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code")
+    p.add_argument("--linear", choices=LINEARS, default="auto",
+                   help="the target's linear layers, for every method alike: onednn (prepacked oneDNN kernel, "
+                        "flat cost over 1-5 rows on CPU), stock (torch's F.linear), auto = onednn where "
+                        "available (default: %(default)s)")
     args = p.parse_args(argv)
     try:
         args.parsed = [parse_method(s) for s in args.methods]
@@ -179,14 +187,19 @@ def main(argv=None) -> dict:
         prompts = load_prompts(args.data, args.limit, args.per_category, tokenizer)
     except DataError as e:
         sys.exit(f"bench: {e}")
-    drafters, targets, shared = {}, {}, {}
+    drafters, adapted, shared = {}, {}, {}
     for spec, (name, cfg) in zip(args.methods, args.parsed):
         if METHODS[name][1] is not None:
             try:
                 drafters[spec] = METHODS[name][1](cfg)
-                targets[spec] = Target(*drafters[spec].adapt(model, shared))
+                adapted[spec] = drafters[spec].adapt(model, shared)
             except (ValueError, FileNotFoundError) as e:
                 sys.exit(f"bench: --methods {spec}: {e}")
+    # packed only now: adapters (peft) wrap plain nn.Linear layers, and every method's target
+    # (the shared model and each adapted copy) gets the same kernels
+    for m in {id(model): model, **{id(a[0]): a[0] for a in adapted.values()}}.values():
+        pack_linears(m, args.linear)
+    targets = {spec: Target(*a) for spec, a in adapted.items()}
     for spec in drafters:  # warm-up: first calls pay one-off costs
         decode(targets[spec], drafters[spec], prompts[0]["ids"], 8)
 

@@ -1,0 +1,82 @@
+"""Decoding-time linear layers on oneDNN's prepacked fp32 kernel (CPU).
+
+Why: speculative decoding feeds the target 2-16 tokens per step. On this project's CPUs
+(AMD EPYC, torch's MKL build) `F.linear` on 2-5 rows costs 2-3x one row, so verifying a few
+tokens eats the gain; oneDNN with a prepacked weight costs about the same for 1-5 rows and is
+also faster on one row (SmolLM2's 49152 x 576 LM head: 6 ms against 13 ms).
+`eval/bench.py --linear onednn` (the default where oneDNN is present) runs every method,
+plain AR included, on these layers, so the speed-ups stay ratios against the same target.
+
+Exactness: with the weight packed for a batch of 4 rows (`PACK_ROWS`), a row's result does
+not depend on how many rows are computed with it (tested; packed for 1 row it does), so these
+layers add no row-count dependence to verification (attention still rounds by row count, as
+with the stock kernels). Greedy decoding stays token for token equal to AR on the same packed
+target (tested). Results differ from MKL's `F.linear` in the last bits (the same model rounded
+in another order), so a run uses one or the other for every method.
+
+Inference only: with gradients enabled, or a non-fp32/non-CPU input, a layer falls back to
+`F.linear` on the same weight. A weight changed in place after packing is packed again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LINEARS = ("stock", "onednn", "auto")
+PACK_ROWS = 4  # oneDNN picks its kernel by this batch hint; 4 gives row-invariant results
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedLinear(nn.Module):
+    """An `nn.Linear` whose forward (no grad, fp32, CPU) runs oneDNN on a prepacked weight.
+
+    Keeps the original `weight` Parameter (tied embeddings stay tied, state dicts unchanged)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.packed = None
+        self.packed_version = -1
+
+    def _pack(self) -> None:
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
+        self.packed_version = self.weight._version
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
+                or self.weight.dtype != torch.float32):
+            return F.linear(x, self.weight, self.bias)
+        if self.packed is None or self.weight._version != self.packed_version:
+            self._pack()
+        bias = None if self.bias is None else self.bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, onednn"
+
+
+def pack_linears(model: nn.Module, linear: str = "auto") -> int:
+    """Swap every fp32 `nn.Linear` of `model` (in place) for a `PackedLinear`; returns how many.
+
+    linear: `onednn` (error if unavailable), `auto` (oneDNN where available, else nothing),
+    `stock` (nothing). Apply it after every adapter is attached (peft wraps nn.Linear only)."""
+    if linear not in LINEARS:
+        raise ValueError(f"linear must be one of {LINEARS}, got {linear!r}")
+    if linear == "stock" or (linear == "auto" and not onednn_available()):
+        return 0
+    if not onednn_available():
+        raise ValueError("linear=onednn: this torch build has no oneDNN (torch.backends.mkldnn)")
+    swaps = [(name, m) for name, m in model.named_modules()
+             if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+    for name, module in swaps:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, PackedLinear(module))
+    return len(swaps)

@@ -1,0 +1,86 @@
+"""oneDNN prepacked linears for decoding: row results independent of the row count, ties kept,
+the gated adapter's next-token rows still bit-identical to the (packed) base, and every
+drafter's greedy output still token for token the AR output on the same packed target."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mtpkit.eval.decoder import Target, decode
+from mtpkit.models.drafter import Drafter
+from mtpkit.models.gated_drafter import GatedLoRADraftConfig, GatedLoRADrafter
+from mtpkit.models.gated_lora import GatedLoRALinear, load_head, save_head, to_inference
+from mtpkit.models.packed_linear import PackedLinear, onednn_available, pack_linears
+from mtpkit.models.probe import ProbeConfig, ProbeDrafter
+from tests.models.test_gated_lora import make_gated
+
+
+
+def test_rows_do_not_depend_on_how_many_are_computed():
+    assert onednn_available()  # the torch pinned in the Makefile ships oneDNN
+    torch.manual_seed(0)
+    stock = nn.Linear(64, 96)
+    packed = PackedLinear(stock)
+    x = torch.randn(1, 9, 64)
+    with torch.no_grad():
+        one = torch.cat([packed(x[:, i:i + 1]) for i in range(9)], dim=1)
+        for m in range(2, 10):
+            assert torch.equal(packed(x[:, :m]), one[:, :m]), m
+        assert torch.equal(packed(x[0, :5]), one[0, :5])  # 2D input too
+        assert torch.allclose(one, stock(x), atol=1e-5)  # the same layer, rounded in another order
+    # with gradients: F.linear itself, so training through a packed model is unchanged
+    assert torch.equal(packed(x), stock(x))
+    # an in-place weight change is seen (repacked)
+    with torch.no_grad():
+        stock.weight.mul_(2.0)
+        assert torch.allclose(packed(x), stock(x), atol=1e-5)
+
+
+def test_pack_linears_swaps_every_linear_and_keeps_ties(tiny):
+    model = copy.deepcopy(tiny[0])
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert pack_linears(model, "stock") == 0
+    assert pack_linears(model, "onednn") == linears > 0
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    if tiny[0].get_output_embeddings().weight is tiny[0].get_input_embeddings().weight:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert pack_linears(model, "onednn") == 0  # idempotent
+    with pytest.raises(ValueError, match="linear must be one of"):
+        pack_linears(model, "fast")
+    ids = torch.arange(5, 25)[None]
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, tiny[0](ids).logits, atol=1e-4)
+
+
+@torch.no_grad()
+def test_packed_gated_rows_stay_the_base_and_greedy_equals_ar(tiny, tmp_path):
+    base = copy.deepcopy(tiny[0])
+    save_head(make_gated(base, k=3, rank=4, seed=11), tmp_path, "tiny-llama-random")
+    lean = to_inference(load_head(tmp_path, copy.deepcopy(base)))
+    gated_body = lean.peft.get_base_model()
+    pack_linears(base, "onednn")
+    n = pack_linears(gated_body, "onednn")
+    assert n > 0 and all(isinstance(m.base, PackedLinear) for m in gated_body.modules()
+                         if isinstance(m, GatedLoRALinear))
+    # ungated rows of a forward with a gated suffix: bit-identical to the packed base model
+    ids = torch.arange(40, 52)[None]
+    gate_rows = torch.arange(12)[None] >= 9
+    with lean.gate(gate_rows):
+        got = gated_body(ids).logits
+    want = base(ids).logits
+    assert torch.equal(got[:, :9], want[:, :9])
+    assert not torch.allclose(got[:, 9:], want[:, 9:], atol=1e-3)  # the adapter does act on the masks
+
+    ar = Target(base)
+    for seed in range(2):
+        prompt = torch.randint(5, 400, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+        want = decode(ar, Drafter(), prompt, 24).tokens
+        for decoding in ("linear", "quadratic"):
+            drafter = GatedLoRADrafter(GatedLoRADraftConfig(decoding=decoding, sampler=False), model=lean)
+            got = decode(Target(*drafter.adapt(None, {})), drafter, prompt, 24)
+            assert got.tokens == want and got.draft_nodes > 0
+        probe = ProbeDrafter(ProbeConfig(bc=12))
+        got = decode(ar, probe, prompt, 24)
+        assert got.tokens == want and got.draft_nodes > 0
