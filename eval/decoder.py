@@ -4,7 +4,10 @@ Each step is ONE target forward over [context..., draft nodes..., extra nodes...
 tree mask and explicit position ids on a KV cache; the context is the whole prompt at the
 first step (prefill) and the last accepted token (the root) after that. Acceptance is greedy
 or speculative sampling (`mtpkit.eval.verify`); the cache is then rolled back to the accepted
-path. The LM head runs only on the rows that acceptance and the drafter actually read.
+path. The LM head runs only on the rows that acceptance and the drafter actually read, one
+call per request; on a packed target (`pack_linears`: a few rows cost about one, and a row's
+logits do not depend on the rows beside it) every row of a step of at most `PREFETCH_ROWS`
+rows is computed in the step's first call instead.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from transformers import DynamicCache
 from mtpkit.eval.generate import target_probs
 from mtpkit.eval.verify import attention_inputs, children_of, verify_greedy, verify_sampling
 from mtpkit.models.drafter import Drafter, StepOutput
+from mtpkit.models.packed_linear import PackedLinear
+
+PREFETCH_ROWS = 8  # on a packed LM head, steps of up to this many rows get their logits in one call
 
 
 class Target:
@@ -32,6 +38,7 @@ class Target:
         self.embed = model.get_input_embeddings()
         self.config = model.config
         self.dtype = self.embed.weight.dtype
+        self.prefetch_rows = PREFETCH_ROWS if isinstance(self.lm_head, PackedLinear) else 0
         with torch.no_grad():  # refuse models whose logits are more than lm_head(hidden)
             ids = torch.tensor([[1, 2, 3]], device=self.embed.weight.device)
             split = self.lm_head(self.body(input_ids=ids).last_hidden_state)
@@ -126,7 +133,8 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         computed: dict[int, torch.Tensor] = {}
 
         def logits(rows: list[int]) -> torch.Tensor:  # step rows (0 = root) -> [len(rows), V]
-            missing = [r for r in rows if r not in computed]
+            batch = range(len(hidden)) if not computed and len(hidden) <= target.prefetch_rows else rows
+            missing = [r for r in batch if r not in computed]
             if missing:
                 t1 = time.perf_counter()
                 for r, row in zip(missing, target.lm_head(hidden[missing]).float()):
