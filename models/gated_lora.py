@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpkit.data.chat import IGNORE
+from mtpkit.models.packed_linear import PackedLinear, pack_rows, packed_forward
 
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -130,11 +131,31 @@ class GatedLoRALinear(nn.Module):
         self.base, self.gate = base, gate
         self.register_buffer("At", A.detach().t().contiguous())  # [in, r]
         self.register_buffer("Bt", (B.detach().t() * scaling).contiguous())  # [r, out]
+        self.fused, self.fused_version = None, -1
+
+    def _stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """[W; A] x in one oneDNN product when the base is packed (`pack_linears`): the A rows
+        ride along (r of out + r outputs) instead of costing a small product of their own, and
+        stacking leaves W's outputs bit-identical (tested)."""
+        W = self.base.weight
+        if self.fused is None or self.fused_version != W._version:
+            self.fused = pack_rows(torch.cat([W.detach(), self.At.t()]))
+            self.fused_version = W._version
+        bias = None if self.base.bias is None else torch.cat([self.base.bias.detach(), self.At.new_zeros(self.At.shape[1])])
+        return packed_forward(x, self.fused, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         span = self.gate.span
-        if span is not None and x.dim() == 3 and x.shape[0] == 1 and not torch.is_grad_enabled():
+        fast = span is not None and x.dim() == 3 and x.shape[0] == 1 and not torch.is_grad_enabled()
+        if fast and isinstance(self.base, PackedLinear) and self.base.usable(x):
+            s, e = span
+            both = self._stacked(x)
+            out = self.base.out_features
+            y = both[..., :out].contiguous()
+            y[0, s:e].addmm_(both[0, s:e, out:], self.Bt)
+            return y
+        y = self.base(x)
+        if fast:
             s, e = span
             y[0, s:e].addmm_(x[0, s:e] @ self.At, self.Bt)
         elif self.gate.rows is not None and self.gate.rows.numel():

@@ -32,6 +32,17 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] fp32 weight in oneDNN's layout for `packed_forward`."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+
+
+def packed_forward(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] times a `pack_rows` weight (+ bias) -> [..., out]."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
 class PackedLinear(nn.Module):
     """An `nn.Linear` whose forward (no grad, fp32, CPU) runs oneDNN on a prepacked weight.
 
@@ -45,19 +56,17 @@ class PackedLinear(nn.Module):
         self.packed = None
         self.packed_version = -1
 
-    def _pack(self) -> None:
-        with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
-        self.packed_version = self.weight._version
+    def usable(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) takes the packed kernel (else it is F.linear)."""
+        return (not torch.is_grad_enabled() and x.dtype == torch.float32 and x.device.type == "cpu"
+                and self.weight.dtype == torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
-                or self.weight.dtype != torch.float32):
+        if not self.usable(x):
             return F.linear(x, self.weight, self.bias)
         if self.packed is None or self.weight._version != self.packed_version:
-            self._pack()
-        bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+            self.packed, self.packed_version = pack_rows(self.weight.detach()), self.weight._version
+        return packed_forward(x, self.packed, None if self.bias is None else self.bias.detach())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, onednn"
