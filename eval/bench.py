@@ -6,6 +6,8 @@
 
 Methods (`name` or `name:key=value,key=value`; results are keyed by the full spec):
   ar                 plain autoregressive decoding through the mtpkit decoder (the baseline)
+  ar_stock           the same on torch's stock kernels (added whenever --linear packs the target;
+                     the table's "vs stock AR" column divides by it)
   pld                prompt lookup: ngram_max=3, ngram_min=1, draft_len=10
   probe              training-free mask-token probing: bc=30, masks=0 (auto: 1 up to bc 30, else 2),
                      init=mean|hard|sample, lam=0.1, prune=1, tree=dynamic|7-2, seed=0
@@ -32,6 +34,7 @@ results.md (tables), results.png (tau and speed-up per category) and results_tra
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import sys
@@ -67,9 +70,20 @@ class NoOptions:
     pass
 
 
+class StockAR(Drafter):
+    """AR on an unpacked copy of the target (torch's own kernels): the reference that shows
+    whether the packed kernels made plain decoding itself faster or slower."""
+
+    def adapt(self, model, shared: dict):
+        if "ar_stock" not in shared:
+            shared["ar_stock"] = copy.deepcopy(model)
+        return shared["ar_stock"], None
+
+
 # name -> (config class, builder of a drafter or of an HF generate call)
 METHODS = {
     "ar": (NoOptions, lambda cfg: Drafter()),
+    "ar_stock": (NoOptions, lambda cfg: StockAR()),
     "pld": (PLDConfig, PLDDrafter),
     "probe": (ProbeConfig, ProbeDrafter),
     "gated_lora": (GatedLoRADraftConfig, GatedLoRADrafter),
@@ -138,6 +152,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if "ar" not in args.methods:
         args.methods.insert(0, "ar")
         args.parsed.insert(0, parse_method("ar"))
+    if args.linear != "stock" and "ar_stock" not in args.methods:
+        args.methods.insert(1, "ar_stock")
+        args.parsed.insert(1, parse_method("ar_stock"))
     if len(set(args.methods)) != len(args.methods):
         p.error("--methods lists the same spec twice")
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
@@ -197,8 +214,10 @@ def main(argv=None) -> dict:
                 sys.exit(f"bench: --methods {spec}: {e}")
     # packed only now: adapters (peft) wrap plain nn.Linear layers, and every method's target
     # (the shared model and each adapted copy) gets the same kernels
+    stock = {id(a[0]) for spec, a in adapted.items() if isinstance(drafters[spec], StockAR)}
     for m in {id(model): model, **{id(a[0]): a[0] for a in adapted.values()}}.values():
-        pack_linears(m, args.linear)
+        if id(m) not in stock:
+            pack_linears(m, args.linear)
     targets = {spec: Target(*a) for spec, a in adapted.items()}
     for spec in drafters:  # warm-up: first calls pay one-off costs
         decode(targets[spec], drafters[spec], prompts[0]["ids"], 8)

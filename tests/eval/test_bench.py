@@ -30,7 +30,7 @@ def test_help_explains_every_flag(capsys):
         bench.parse_args(["--help"])
     text = capsys.readouterr().out
     for flag in ("--backbone", "--data", "--limit", "--per-category", "--methods", "--max-new-tokens",
-                 "--temperature", "--top-p", "--seed", "--dtype", "--out", "--trust-remote-code"):
+                 "--temperature", "--top-p", "--seed", "--dtype", "--out", "--trust-remote-code", "--linear"):
         assert flag in text
     for method in bench.METHODS:
         assert method in text
@@ -49,7 +49,12 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path):
                 "--methods", "pld:draft_len=3", "probe:bc=10", "probe:bc=30,masks=2", "hf_ar", "--out", str(out)])
     results = json.loads(out.read_text())
     methods = results["methods"]
-    assert list(methods) == ["ar", "pld:draft_len=3", "probe:bc=10", "probe:bc=30,masks=2", "hf_ar"]
+    # the target is packed (--linear auto), so AR on the stock kernels runs beside it
+    assert list(methods) == ["ar", "ar_stock", "pld:draft_len=3", "probe:bc=10", "probe:bc=30,masks=2", "hf_ar"]
+    stock = methods.pop("ar_stock")  # other kernels: equal tokens, or a difference at a float near-tie
+    assert stock["near_tie_mismatches"] == stock["mismatches"] and stock["tau"] == 1.0
+    assert methods["probe:bc=10"]["speedup_vs_stock_ar"] > 0
+    assert "| vs stock AR |" in (out.parent / "results.md").read_text()
     for spec, r in methods.items():
         assert r["matches_ar"] is True, spec
         assert set(r["per_category"]) == {"coding", "math"}
@@ -87,9 +92,10 @@ def test_bench_runs_a_gated_lora_head(tmp_path):
     specs = [f"gated_lora:head={tmp_path / 'head'},decoding=linear",
              f"gated_lora:head={tmp_path / 'head'},decoding=quadratic,sampler=0,k=1"]
     bench.main(["--backbone", "tiny-llama-random", "--data", "builtin:eval", "--per-category", "1",
-                "--max-new-tokens", "12", "--methods", *specs, "--out", str(out)])
+                "--max-new-tokens", "12", "--methods", *specs, "--out", str(out), "--linear", "stock"])
     methods = json.loads(out.read_text())["methods"]
-    assert list(methods) == ["ar", *specs]
+    assert list(methods) == ["ar", *specs]  # stock kernels: no second AR
+    assert "speedup_vs_stock_ar" not in methods["ar"]
     for spec in specs:
         assert methods[spec]["matches_ar"] is True
         assert methods[spec]["target_calls"] >= 4  # one per prompt at least, 4 categories
