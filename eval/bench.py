@@ -6,8 +6,8 @@
 
 Methods (`name` or `name:key=value,key=value`; results are keyed by the full spec):
   ar                 plain autoregressive decoding through the mtpkit decoder (the baseline)
-  ar_stock           the same on torch's stock kernels (added whenever --linear packs the target;
-                     the table's "vs stock AR" column divides by it)
+  ar_stock           the same on torch's stock kernels (added whenever --linear packs part of the
+                     target; the table's "vs stock AR" column divides by it)
   pld                prompt lookup: ngram_max=3, ngram_min=1, draft_len=10
   probe              training-free mask-token probing: bc=30, masks=0 (auto: 1 up to bc 30, else 2),
                      init=mean|hard|sample, lam=0.1, prune=1, tree=dynamic|7-2, seed=0
@@ -152,7 +152,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if "ar" not in args.methods:
         args.methods.insert(0, "ar")
         args.parsed.insert(0, parse_method("ar"))
-    if args.linear != "stock" and "ar_stock" not in args.methods:
+    args.auto_stock = args.linear != "stock" and "ar_stock" not in args.methods
+    if args.auto_stock:
         args.methods.insert(1, "ar_stock")
         args.parsed.insert(1, parse_method("ar_stock"))
     if len(set(args.methods)) != len(args.methods):
@@ -215,9 +216,12 @@ def main(argv=None) -> dict:
     # packed only now: adapters (peft) wrap plain nn.Linear layers, and every method's target
     # (the shared model and each adapted copy) gets the same kernels
     stock = {id(a[0]) for spec, a in adapted.items() if isinstance(drafters[spec], StockAR)}
-    for m in {id(model): model, **{id(a[0]): a[0] for a in adapted.values()}}.values():
-        if id(m) not in stock:
-            pack_linears(m, args.linear)
+    packed = sum(pack_linears(m, args.linear) for m in {id(model): model, **{id(a[0]): a[0] for a in adapted.values()}}
+                 .values() if id(m) not in stock)
+    if not packed and args.auto_stock:  # nothing large enough to pack: the two ARs would be one
+        drafters.pop("ar_stock"), adapted.pop("ar_stock"), shared.pop("ar_stock")
+        del args.parsed[args.methods.index("ar_stock")]
+        args.methods.remove("ar_stock")
     targets = {spec: Target(*a) for spec, a in adapted.items()}
     for spec in drafters:  # warm-up: first calls pay one-off costs
         decode(targets[spec], drafters[spec], prompts[0]["ids"], 8)

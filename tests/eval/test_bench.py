@@ -36,7 +36,8 @@ def test_help_explains_every_flag(capsys):
         assert method in text
 
 
-def test_bench_end_to_end_on_a_tiny_model(tmp_path):
+def test_bench_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
+    monkeypatch.setattr("mtpkit.models.packed_linear.MIN_PACK", 0)  # pack even the tiny layers
     data = tmp_path / "specbench.jsonl"
     records = [{"question_id": i, "category": cat, "turns": [text]} for i, (cat, text) in enumerate([
         ("coding", "def add(a, b):\n    return a + b\n\nWrite a test for add."),
@@ -117,6 +118,7 @@ def test_bench_runs_mtpc_heads(tmp_path):
     bench.main(["--backbone", "tiny-byte-llama-random", "--data", "builtin:eval", "--per-category", "1",
                 "--max-new-tokens", "12", "--methods", *specs, "--out", str(out)])
     methods = json.loads(out.read_text())["methods"]
+    assert list(methods) == ["ar", *specs]  # no layer large enough to pack: no second AR
     for spec in specs:
         assert methods[spec]["matches_ar"] is True
         assert methods[spec]["mean_draft_nodes"] > 0 and methods[spec]["max_tokens_per_s"] > 0
