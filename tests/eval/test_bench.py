@@ -129,3 +129,18 @@ def test_bench_rejects_a_missing_head(tmp_path, capsys):
         bench.main(["--backbone", "tiny-llama-random", "--data", "builtin:eval", "--per-category", "1",
                     "--methods", f"gated_lora:head={tmp_path / 'nothing'}", "--out", str(tmp_path / "r.json")])
     assert "mtpkit_config.json" in str(e.value)
+
+
+def test_bench_forward_times_stock_and_packed(tmp_path, monkeypatch):
+    from mtpkit.eval import bench_forward
+
+    monkeypatch.setattr("mtpkit.models.packed_linear.MIN_PACK", 0)  # pack even the tiny layers
+    out = tmp_path / "fwd.json"
+    res = bench_forward.main(["--backbone", "tiny-llama-random", "--cache", "8", "--tokens", "1", "3",
+                              "--reps", "3", "--out", str(out)])
+    assert res["packed_layers"] > 0
+    assert set(res["median_ms"]) == {"stock", "packed"} and all(v > 0 for v in res["median_ms"]["packed"].values())
+    assert res["ratio_to_stock_first"]["stock"][1] == 1.0
+    assert json.loads(out.read_text())["cache"] == 8
+    with pytest.raises(SystemExit):
+        bench_forward.parse_args(["--reps", "1"])
