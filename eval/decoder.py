@@ -5,9 +5,9 @@ tree mask and explicit position ids on a KV cache; the context is the whole prom
 first step (prefill) and the last accepted token (the root) after that. Acceptance is greedy
 or speculative sampling (`mtpkit.eval.verify`); the cache is then rolled back to the accepted
 path. The LM head runs only on the rows that acceptance and the drafter actually read, one
-call per request; on a packed target (`pack_linears`: a few rows cost about one, and a row's
-logits do not depend on the rows beside it) every row of a step of at most `PREFETCH_ROWS`
-rows is computed in the step's first call instead.
+call per request, each row once per step; on a packed LM head (`pack_linears`: a few rows cost
+about one) every row of a step of at most `PREFETCH_ROWS` rows is computed in the step's first
+call instead.
 """
 
 from __future__ import annotations
