@@ -131,18 +131,18 @@ class GatedLoRALinear(nn.Module):
         self.base, self.gate = base, gate
         self.register_buffer("At", A.detach().t().contiguous())  # [in, r]
         self.register_buffer("Bt", (B.detach().t() * scaling).contiguous())  # [r, out]
-        self.fused, self.fused_version = None, -1
+        self.fused, self.fused_bias, self.fused_version = None, None, -1
 
     def _stacked(self, x: torch.Tensor) -> torch.Tensor:
         """[W; A] x in one oneDNN product when the base is packed (`pack_linears`): the A rows
         ride along (r of out + r outputs) instead of costing a small product of their own, and
         stacking leaves W's outputs bit-identical (tested)."""
-        W = self.base.weight
+        W, b = self.base.weight, self.base.bias
         if self.fused is None or self.fused_version != W._version:
             self.fused = pack_rows(torch.cat([W.detach(), self.At.t()]))
+            self.fused_bias = None if b is None else torch.cat([b.detach(), self.At.new_zeros(self.At.shape[1])])
             self.fused_version = W._version
-        bias = None if self.base.bias is None else torch.cat([self.base.bias.detach(), self.At.new_zeros(self.At.shape[1])])
-        return packed_forward(x, self.fused, bias)
+        return packed_forward(x, self.fused, self.fused_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         span = self.gate.span

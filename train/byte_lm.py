@@ -200,9 +200,7 @@ def main(argv=None) -> dict:
         state = json.loads((resume / "trainer_state.json").read_text())
         step, trained_seconds = state["step"], state["trained_seconds"]
         tqdm.write(f"[resume] {resume} at step {step}")
-        moved = supersede_metrics(out / "metrics.jsonl", step)
-        if moved:
-            tqdm.write(f"[resume] {moved} metric line(s) logged after step {step} moved to metrics.superseded.jsonl")
+        supersede_metrics(out / "metrics.jsonl", step, tqdm.write)
 
     metrics_file = out / "metrics.jsonl"
     bar = tqdm(total=cfg.max_steps, initial=step, desc="byte-lm", unit="step")

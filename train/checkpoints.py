@@ -34,10 +34,11 @@ def prune_checkpoints(output_dir: Path, keep: int) -> None:
         shutil.rmtree(old)
 
 
-def supersede_metrics(metrics_file: Path, step: int) -> int:
+def supersede_metrics(metrics_file: Path, step: int, log=print) -> int:
     """On resume from `step`: move the metric lines logged after it (the interrupted run's, which
     the resumed run logs again) from metrics_file to metrics.superseded.jsonl beside it, so the
-    curves hold each step once and nothing is lost. Returns how many lines moved."""
+    curves hold each step once and nothing is lost. Says so through `log`; returns how many
+    lines moved."""
     metrics_file = Path(metrics_file)
     if not metrics_file.is_file():
         return 0
@@ -54,6 +55,7 @@ def supersede_metrics(metrics_file: Path, step: int) -> int:
         tmp = metrics_file.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         tmp.replace(metrics_file)
+        log(f"[resume] {len(moved)} metric line(s) logged after step {step} moved to metrics.superseded.jsonl")
     return len(moved)
 
 

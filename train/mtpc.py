@@ -295,9 +295,8 @@ def main(argv=None) -> dict:
         state = json.loads((resume / "trainer_state.json").read_text())
         step, micro, bytes_seen = state["step"], state["micro_step"], state["bytes_seen"]
         log(f"[resume] {resume} at step {step}")
-        moved = supersede_metrics(out / "metrics.jsonl", step) if main_process else 0
-        if moved:
-            log(f"[resume] {moved} metric line(s) logged after step {step} moved to metrics.superseded.jsonl")
+        if main_process:
+            supersede_metrics(out / "metrics.jsonl", step, log)
 
     metrics_file = out / "metrics.jsonl"
     bar = tqdm(total=cfg.max_steps, initial=step, desc=f"mtpc-{cfg.model.arch}", unit="step", disable=not main_process)

@@ -13,13 +13,16 @@ def test_supersede_metrics_moves_only_lines_after_the_checkpoint(tmp_path):
     lines.append("not json")
     metrics.write_text("\n".join(lines) + "\n")
 
-    assert supersede_metrics(metrics, 10) == 2
+    said = []
+    assert supersede_metrics(metrics, 10, said.append) == 2
+    assert said == ["[resume] 2 metric line(s) logged after step 10 moved to metrics.superseded.jsonl"]
     kept = metrics.read_text().splitlines()
     assert kept == [lines[0], lines[1], lines[2], "not json"]
     assert (tmp_path / "metrics.superseded.jsonl").read_text().splitlines() == [lines[3], lines[4]]
 
     # a second interruption appends to the same side file; nothing later than 5 stays
-    assert supersede_metrics(metrics, 5) == 2
+    assert supersede_metrics(metrics, 5, said.append) == 2
     assert metrics.read_text().splitlines() == [lines[0], "not json"]
     assert len((tmp_path / "metrics.superseded.jsonl").read_text().splitlines()) == 4
-    assert supersede_metrics(tmp_path / "absent.jsonl", 5) == 0
+    assert supersede_metrics(tmp_path / "absent.jsonl", 5, said.append) == 0
+    assert len(said) == 2  # nothing moved, nothing said
