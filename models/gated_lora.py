@@ -151,9 +151,8 @@ class GatedLoRALinear(nn.Module):
             s, e = span
             both = self._stacked(x)
             out = self.base.out_features
-            y = both[..., :out].contiguous()
-            y[0, s:e].addmm_(both[0, s:e, out:], self.Bt)
-            return y
+            both[0, s:e, :out].addmm_(both[0, s:e, out:], self.Bt)
+            return both[..., :out]  # a strided view: copying it out cost ~10% of a gated step
         y = self.base(x)
         if fast:
             s, e = span
