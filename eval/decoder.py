@@ -70,7 +70,12 @@ class DecodeResult:
 
 def rollback_cache(cache: DynamicCache, keep: int, accepted: torch.Tensor) -> None:
     """Keep cache positions [0, keep) and the accepted positions `accepted` (absolute, >= keep),
-    moved to keep, keep+1, ...; everything else (rejected nodes, extra nodes) is dropped."""
+    moved to keep, keep+1, ...; everything else (rejected nodes, extra nodes) is dropped.
+    Accepted positions that already sit at keep, keep+1, ... (a chain's accepted prefix) are
+    kept by slicing, without copying the cache."""
+    a = accepted.numel()
+    if a and int(accepted[0]) == keep and int(accepted[-1]) == keep + a - 1 and bool((accepted.diff() == 1).all()):
+        keep, accepted = keep + a, accepted[:0]
     for layer in cache.layers:
         if accepted.numel():
             layer.keys = torch.cat([layer.keys[..., :keep, :], layer.keys[..., accepted, :]], dim=-2)

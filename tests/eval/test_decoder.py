@@ -232,7 +232,8 @@ TREE_PARENTS = [0, 0, 1, 2, 2, 5]
 
 
 @pytest.mark.parametrize("prefill", [False, True], ids=["root-step", "prefill-step"])
-@pytest.mark.parametrize("accepted", [[2, 5, 6], [1, 3], [2], []], ids=["path-2-5-6", "path-1-3", "path-2", "none"])
+@pytest.mark.parametrize("accepted", [[2, 5, 6], [1, 3], [2], [1], []],
+                         ids=["path-2-5-6", "path-1-3", "path-2", "path-1-in-place", "none"])
 def test_rollback_cache_equals_a_causal_cache_of_the_accepted_tokens(tiny, prefill, accepted):
     """After a tree step (drafts and extra nodes) and rollback, the cache equals one built causally
     from the accepted sequence, and the next token's logits are those of a fresh full forward."""
