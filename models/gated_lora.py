@@ -217,8 +217,7 @@ class GatedMTP(nn.Module):
         add_gate_hooks(self.peft, self.gate)
         inner = self.peft.get_base_model()
         # plain references (not submodules: the backbone is registered once, under `peft`)
-        self.__dict__.update(body=inner.get_decoder(), embed=inner.get_input_embeddings(),
-                             lm_head=inner.get_output_embeddings())
+        self.__dict__.update(body=inner.get_decoder(), embed=inner.get_input_embeddings())
         table = self.embed.weight.detach().float()
         d = table.shape[1]
         # random vectors with the embedding table's per-dimension statistics (Sec. 2: "generated
@@ -226,6 +225,13 @@ class GatedMTP(nn.Module):
         init = table.mean(0) + table.std(0) * torch.randn(config.k, d)
         self.mask_embeds = nn.Parameter(init.to(self.embed.weight.dtype))  # [k, d]
         self.sampler = SamplerMLP(d).to(self.embed.weight.dtype) if config.sampler else None
+
+    @property
+    def lm_head(self) -> nn.Module:
+        """The backbone's output layer, looked up on every use: `pack_linears` swaps it for a
+        packed copy after this model is built, and the sampler must use that one (a stale
+        reference kept the sampler's one-row LM-head calls on the slower stock kernel)."""
+        return self.peft.get_base_model().get_output_embeddings()
 
     # ---- pieces shared by training and decoding ----
     def input_embeds(self, input_ids: torch.Tensor, mask_index: torch.Tensor) -> torch.Tensor:

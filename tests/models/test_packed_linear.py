@@ -73,6 +73,8 @@ def test_packed_gated_rows_stay_the_base_and_greedy_equals_ar(tiny, tmp_path):
     n = pack_linears(gated_body, "onednn", min_numel=0)
     assert n > 0 and all(isinstance(m.base, PackedLinear) for m in gated_body.modules()
                          if isinstance(m, GatedLoRALinear))
+    # the sampler's LM head is the packed one too (not a reference kept from before packing)
+    assert isinstance(lean.lm_head, PackedLinear) and lean.lm_head is gated_body.get_output_embeddings()
     # ungated rows of a forward with a gated suffix: bit-identical to the packed base model
     ids = torch.arange(40, 52)[None]
     gate_rows = torch.arange(12)[None] >= 9
