@@ -74,7 +74,7 @@ def rollback_cache(cache: DynamicCache, keep: int, accepted: torch.Tensor) -> No
     Accepted positions that already sit at keep, keep+1, ... (a chain's accepted prefix) are
     kept by slicing, without copying the cache."""
     a = accepted.numel()
-    if a and int(accepted[0]) == keep and int(accepted[-1]) == keep + a - 1 and bool((accepted.diff() == 1).all()):
+    if a and torch.equal(accepted, torch.arange(keep, keep + a, device=accepted.device)):
         keep, accepted = keep + a, accepted[:0]
     for layer in cache.layers:
         if accepted.numel():
