@@ -62,6 +62,10 @@ class TrainConfig:
     """AdamW learning rate (flat after warm-up, as in the paper)"""
     warmup_steps: int = 0
     """linear warm-up steps"""
+    decay_steps: int = 0
+    """linear decay to --min-lr-ratio over the last N of --max-steps (warm-up, stable, decay); 0 = flat to the end"""
+    min_lr_ratio: float = 0.1
+    """final learning rate as a fraction of --lr when --decay-steps > 0"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -110,9 +114,25 @@ def parse_args(argv=None) -> TrainConfig:
         p.error(f"--eval-decoding must be one of {DECODINGS}, got {cfg.eval_decoding!r}")
     if cfg.mixed_precision not in ("no", "bf16", "fp16"):
         p.error(f"--mixed-precision must be no, bf16 or fp16, got {cfg.mixed_precision!r}")
+    if not 0 <= cfg.decay_steps <= cfg.max_steps:
+        p.error(f"--decay-steps must be in [0, --max-steps={cfg.max_steps}], got {cfg.decay_steps}")
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        p.error(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if min(cfg.max_steps, cfg.batch_size, cfg.grad_accum, cfg.max_length, cfg.model.k) < 1:
         p.error("--max-steps, --batch-size, --grad-accum, --max-length and --k must be >= 1")
     return cfg
+
+
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """Multiplier of --lr at optimizer step `step` (0-based): linear warm-up, flat, then an optional
+    linear decay over the last --decay-steps. Only the step count is checkpointed, so a run resumed
+    with a new --decay-steps or --max-steps follows the new schedule from where it stopped."""
+    factor = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    start = cfg.max_steps - cfg.decay_steps
+    if cfg.decay_steps and step >= start:
+        progress = min(1.0, (step - start + 1) / cfg.decay_steps)
+        factor *= 1.0 - (1.0 - cfg.min_lr_ratio) * progress
+    return factor
 
 
 def build_features(cfg: TrainConfig, tokenizer, log) -> tuple[list[dict], set[str]]:
@@ -202,8 +222,7 @@ def main(argv=None) -> dict:
         f"{sum(p.numel() for p in mtp.parameters()) / 1e6:.1f}M; {len(features)} training sequences; "
         f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}")
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
     if accelerator.state.deepspeed_plugin is not None:
         ds = accelerator.state.deepspeed_plugin.deepspeed_config
         ds["train_micro_batch_size_per_gpu"] = cfg.batch_size

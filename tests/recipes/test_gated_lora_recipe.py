@@ -163,3 +163,15 @@ def test_config_errors_name_the_file_and_key(tmp_path):
     assert cfg.model.k == 2 and cfg.max_steps == 600 and cfg.lr == 5e-4
     paper = gated_lora.parse_args(["--config", str(ROOT / "configs/gated_lora/tulu3-8b_k8.yaml")])
     assert (paper.model.k, paper.model.rank, paper.lr, paper.warmup_steps, paper.max_steps) == (8, 128, 2e-4, 5000, 50000)
+
+
+def test_lr_schedule_warms_up_stays_flat_then_decays():
+    flat = gated_lora.parse_args(["--max-steps", "10", "--warmup-steps", "2"])
+    assert [gated_lora.lr_factor(flat, s) for s in range(10)] == [0.5] + [1.0] * 9
+    wsd = gated_lora.parse_args(["--max-steps", "10", "--warmup-steps", "2", "--decay-steps", "4",
+                                 "--min-lr-ratio", "0.2"])
+    factors = [gated_lora.lr_factor(wsd, s) for s in range(10)]
+    assert factors[:6] == [0.5] + [1.0] * 5
+    assert factors[6:] == pytest.approx([0.8, 0.6, 0.4, 0.2])
+    with pytest.raises(SystemExit):
+        gated_lora.parse_args(["--max-steps", "10", "--decay-steps", "11"])
