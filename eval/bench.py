@@ -46,7 +46,7 @@ import torch
 from tqdm import tqdm
 
 from mtpkit.data.chat import DataError, load_examples, prompt_ids
-from mtpkit.eval.decoder import Target, decode
+from mtpkit.eval.decoder import PREFETCH_ROWS, Target, decode
 from mtpkit.eval.report import summarise, write_markdown, write_plot, write_tradeoff_plot
 from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
 from mtpkit.models.drafter import Drafter
@@ -144,6 +144,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the target's linear layers, for every method alike: onednn (prepacked oneDNN kernel, "
                         "flat cost over 1-5 rows on CPU), stock (torch's F.linear), auto = onednn where "
                         "available (default: %(default)s)")
+    p.add_argument("--prefetch-rows", type=int, default=None,
+                   help="steps of up to this many rows get the logits of every row in one LM-head call; "
+                        f"larger steps compute rows on demand (default: {PREFETCH_ROWS} on a packed LM head, else 0)")
     args = p.parse_args(argv)
     try:
         args.parsed = [parse_method(s) for s in args.methods]
@@ -222,7 +225,7 @@ def main(argv=None) -> dict:
         drafters.pop("ar_stock"), adapted.pop("ar_stock"), shared.pop("ar_stock")
         del args.parsed[args.methods.index("ar_stock")]
         args.methods.remove("ar_stock")
-    targets = {spec: Target(*a) for spec, a in adapted.items()}
+    targets = {spec: Target(*a, prefetch_rows=args.prefetch_rows) for spec, a in adapted.items()}
     for spec in drafters:  # warm-up: first calls pay one-off costs
         decode(targets[spec], drafters[spec], prompts[0]["ids"], 8)
 

@@ -90,8 +90,9 @@ def test_packed_gated_rows_stay_the_base_and_greedy_equals_ar(tiny, tmp_path):
         want = decode(ar, Drafter(), prompt, 24).tokens
         for decoding in ("linear", "quadratic"):
             drafter = GatedLoRADrafter(GatedLoRADraftConfig(decoding=decoding, sampler=False), model=lean)
-            got = decode(Target(*drafter.adapt(None, {})), drafter, prompt, 24)
-            assert got.tokens == want and got.draft_nodes > 0
+            for prefetch in (0, 64):  # logits row by row on demand, or every row of a step in one call
+                got = decode(Target(*drafter.adapt(None, {}), prefetch_rows=prefetch), drafter, prompt, 24)
+                assert got.tokens == want and got.draft_nodes > 0
         probe = ProbeDrafter(ProbeConfig(bc=12))
         got = decode(ar, probe, prompt, 24)
         assert got.tokens == want and got.draft_nodes > 0
