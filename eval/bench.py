@@ -144,6 +144,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the target's linear layers, for every method alike: onednn (prepacked oneDNN kernel, "
                         "flat cost over 1-5 rows on CPU), stock (torch's F.linear), auto = onednn where "
                         "available (default: %(default)s)")
+    p.add_argument("--fuse", type=int, choices=(0, 1), default=1,
+                   help="on packed targets, compute each layer's q/k/v and gate/up projections as one product "
+                        "(every method alike, AR included; a 1-row forward costs the same) (default: %(default)s)")
     p.add_argument("--prefetch-rows", type=int, default=None,
                    help="steps of up to this many rows get the logits of every row in one LM-head call; "
                         f"larger steps compute rows on demand (default: {PREFETCH_ROWS} on a packed LM head, else 0)")
@@ -219,7 +222,7 @@ def main(argv=None) -> dict:
     # packed only now: adapters (peft) wrap plain nn.Linear layers, and every method's target
     # (the shared model and each adapted copy) gets the same kernels
     stock = {id(a[0]) for spec, a in adapted.items() if isinstance(drafters[spec], StockAR)}
-    packed = sum(pack_linears(m, args.linear) for m in {id(model): model, **{id(a[0]): a[0] for a in adapted.values()}}
+    packed = sum(pack_linears(m, args.linear, fuse=bool(args.fuse)) for m in {id(model): model, **{id(a[0]): a[0] for a in adapted.values()}}
                  .values() if id(m) not in stock)
     if not packed and args.auto_stock:  # nothing large enough to pack: the two ARs would be one
         drafters.pop("ar_stock"), adapted.pop("ar_stock"), shared.pop("ar_stock")

@@ -132,6 +132,7 @@ class GatedLoRALinear(nn.Module):
         self.register_buffer("At", A.detach().t().contiguous())  # [in, r]
         self.register_buffer("Bt", (B.detach().t() * scaling).contiguous())  # [r, out]
         self.fused, self.fused_bias, self.fused_version = None, None, -1
+        self.siblings = None  # set by `packed_linear.fuse_siblings`: q/k/v, gate/up as one product
 
     def _stacked(self, x: torch.Tensor) -> torch.Tensor:
         """[W; A] x in one oneDNN product when the base is packed (`pack_linears`): the A rows
@@ -145,6 +146,8 @@ class GatedLoRALinear(nn.Module):
         return packed_forward(x, self.fused, self.fused_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.siblings is not None and self.siblings.usable(x):
+            return self.siblings(x, self)
         span = self.gate.span
         fast = span is not None and x.dim() == 3 and x.shape[0] == 1 and not torch.is_grad_enabled()
         if fast and isinstance(self.base, PackedLinear) and self.base.usable(x):

@@ -12,7 +12,7 @@ from mtpkit.eval.decoder import Target, decode
 from mtpkit.models.drafter import Drafter
 from mtpkit.models.gated_drafter import GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.gated_lora import GatedLoRALinear, load_head, save_head, to_inference
-from mtpkit.models.packed_linear import ONE_ROW_PACKED, PackedLinear, onednn_available, pack_linears
+from mtpkit.models.packed_linear import ONE_ROW_PACKED, PackedLinear, SiblingGroup, fuse_siblings, onednn_available, pack_linears
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
 from tests.models.test_gated_lora import make_gated
 
@@ -64,6 +64,35 @@ def test_pack_linears_swaps_every_linear_and_keeps_ties(tiny):
 
 
 @torch.no_grad()
+def test_fused_siblings_give_the_unfused_packed_outputs(tiny):
+    model = copy.deepcopy(tiny[0])
+    unfused = copy.deepcopy(tiny[0])
+    pack_linears(model, "onednn", min_numel=0)
+    pack_linears(unfused, "onednn", min_numel=0, fuse=False)
+    layers = model.config.num_hidden_layers
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert isinstance(attn.q_proj.siblings, SiblingGroup) and attn.q_proj.siblings is attn.v_proj.siblings
+    assert mlp.gate_proj.siblings is mlp.up_proj.siblings and mlp.down_proj.siblings is None
+    assert fuse_siblings(model) == 2 * layers  # idempotent: the same groups again
+    calls = []
+    group = attn.q_proj.siblings
+    compute = group._compute
+    group._compute = lambda x: calls.append(x.shape) or compute(x)
+    ids = torch.arange(5, 17)[None]
+    got = model(ids).logits
+    assert len(calls) == 1  # q, k and v of the layer: one product
+    assert torch.equal(got, unfused(ids).logits)  # several rows: oneDNN, the same bits
+    one = torch.arange(5, 6)[None]
+    assert torch.allclose(model(one).logits, unfused(one).logits, atol=1e-5)  # one row: F.linear on the stack
+    with torch.enable_grad():  # training: each member's own forward, as before
+        assert torch.allclose(model(ids).logits, tiny[0](ids).logits, atol=1e-4)
+    attn.k_proj.weight.mul_(2.0)  # an in-place weight change is repacked
+    unfused.model.layers[0].self_attn.k_proj.weight.mul_(2.0)
+    assert torch.equal(model(ids).logits, unfused(ids).logits)
+    assert not torch.allclose(model(ids).logits, got)
+
+
+@torch.no_grad()
 def test_packed_gated_rows_stay_the_base_and_greedy_equals_ar(tiny, tmp_path):
     base = copy.deepcopy(tiny[0])
     save_head(make_gated(base, k=3, rank=4, seed=11), tmp_path, "tiny-llama-random")
@@ -73,6 +102,8 @@ def test_packed_gated_rows_stay_the_base_and_greedy_equals_ar(tiny, tmp_path):
     n = pack_linears(gated_body, "onednn", min_numel=0)
     assert n > 0 and all(isinstance(m.base, PackedLinear) for m in gated_body.modules()
                          if isinstance(m, GatedLoRALinear))
+    attn = gated_body.model.layers[0].self_attn
+    assert attn.q_proj.siblings is attn.k_proj.siblings is not None and attn.o_proj.siblings is None
     # the sampler's LM head is the packed one too (not a reference kept from before packing)
     assert isinstance(lean.lm_head, PackedLinear) and lean.lm_head is gated_body.get_output_embeddings()
     # ungated rows of a forward with a gated suffix: bit-identical to the packed base model
@@ -83,6 +114,20 @@ def test_packed_gated_rows_stay_the_base_and_greedy_equals_ar(tiny, tmp_path):
     want = base(ids).logits
     assert torch.equal(got[:, :9], want[:, :9])
     assert not torch.allclose(got[:, 9:], want[:, 9:], atol=1e-3)  # the adapter does act on the masks
+    # the fused siblings' gated rows: the same as each gated linear on its own
+    unfused = to_inference(load_head(tmp_path, copy.deepcopy(tiny[0])))
+    pack_linears(unfused.peft.get_base_model(), "onednn", min_numel=0, fuse=False)
+    with unfused.gate(gate_rows):
+        alone = unfused.peft.get_base_model()(ids).logits
+    assert torch.allclose(got, alone, atol=1e-5) and torch.equal(got[:, :9], alone[:, :9])
+    # a gate that is not one suffix (scattered rows): the general path; later rows see the masks
+    scattered = torch.zeros(1, 12, dtype=torch.bool)
+    scattered[0, [3, 7, 10]] = True
+    with lean.gate(scattered):
+        got2 = gated_body(ids).logits
+    with unfused.gate(scattered):
+        alone2 = unfused.peft.get_base_model()(ids).logits
+    assert torch.allclose(got2, alone2, atol=1e-4) and torch.equal(got2[:, :3], want[:, :3])  # rows before the first mask
 
     ar = Target(base)
     for seed in range(2):
