@@ -16,6 +16,9 @@ single row of a small weight goes through `F.linear` instead and can differ from
 result in the last bits, as torch's own 1-row and many-row kernels already differ. Greedy
 decoding stays token for token equal to AR on the same packed target (tested).
 
+Sibling projections of one input (q/k/v, gate/up) are then fused into one product each
+(`fuse_siblings`, on by default in `pack_linears`; see `SiblingGroup`).
+
 Inference only: with gradients enabled, or a non-fp32/non-CPU input, a layer falls back to
 `F.linear` on the same weight. A weight changed in place after packing is packed again.
 """
