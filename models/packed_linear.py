@@ -141,7 +141,6 @@ class SiblingGroup:
     [B_1, ..., B_m] (the LoRA scaling folded in), so ungated rows are W x exactly."""
 
     def __init__(self, members: list[nn.Module]):
-        self.members = members
         gated = [_gated_parts(m) for m in members]
         self.gated = gated[0] is not None
         bases = [m.base if self.gated else m for m in members]
@@ -162,7 +161,6 @@ class SiblingGroup:
         self.version = None
         self.input, self.input_version, self.output = None, -1, None
         for i, m in enumerate(members):
-            (m.base if self.gated else m).siblings = None
             m.siblings, m.sibling_index = self, i
 
     def usable(self, x: torch.Tensor) -> bool:
