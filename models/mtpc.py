@@ -112,17 +112,18 @@ class MTPCHead(nn.Module):
         return CircuitParams(self.cfg.arch, units.log_phi, root, inner), units
 
     @torch.no_grad()
-    def weight_as(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """Parameter `name` ("unembed", "inner") in `dtype` for decoding, converted once (again
-        after a weight update)."""
+    def weight_as(self, name: str, dtype: torch.dtype) -> "torch.Tensor | Int8Rows":
+        """Parameter `name` ("unembed", "inner") in `dtype` for decoding (torch.int8: `Int8Rows`),
+        converted once (again after a weight update)."""
         weight = getattr(self, name)
         if dtype == weight.dtype:
             return weight
-        key = (dtype, weight._version)
+        # one copy per precision: drafters of several precisions may share this head (a bench)
         copies = self.__dict__.setdefault("_decode_copies", {})
-        if copies.get(name, (None,))[0] != key:
-            copies[name] = (key, weight.detach().to(dtype))
-        return copies[name][1]
+        if copies.get((name, dtype), (None,))[0] != weight._version:
+            copy = Int8Rows.quantize(weight) if dtype == torch.int8 else weight.detach().to(dtype)
+            copies[name, dtype] = (weight._version, copy)
+        return copies[name, dtype][1]
 
     def _sums(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The sum-unit weights of rows h [B, d]: root [B, r] and inner [B, L, r, r] (None for FF)."""
@@ -155,26 +156,26 @@ class LazyUnits:
     def __init__(self, head: MTPCHead, h: torch.Tensor, n: int, dtype: torch.dtype | None = None):
         self.head, self.h, self.ready = head, h, 0
         # the products may read the unembeddings in a lower precision (bfloat16 halves the bytes
-        # of this memory-bound product); the units stay in h's precision, and a draw and the
-        # conditionals read the same values, so speculative sampling stays exact
+        # of this memory-bound product, int8 `Int8Rows` quarters them); the units stay in h's
+        # precision, and a draw and the conditionals read the same values, so speculative
+        # sampling stays exact
         self.weights = head.weight_as("unembed", dtype or head.unembed.dtype)
         self.hw = h.to(self.weights.dtype)
         r, V = head.unembed.shape[1:3]
         self.log_phi = torch.zeros(1, n, r, V, dtype=h.dtype, device=h.device)
-        self.drawn: dict[int, tuple[int, torch.Tensor]] = {}  # position -> (unit, log phi) `selected` gave
+        self.drawn: tuple[int, list[int], torch.Tensor] | None = None  # (first position, units, log phi [k, V]) `selected` gave
 
     @torch.no_grad()
     def upto(self, i: int) -> None:
         """Compute every unit of positions < i."""
         i = min(i, self.log_phi.shape[1])
         if i > self.ready:
-            w = self.weights[self.ready:i]  # [k, r, V, d]
-            logits = (w.reshape(-1, w.shape[-1]) @ self.hw).view(w.shape[:3]).to(self.h.dtype)
+            logits = _matvec(self.weights[self.ready:i], self.hw).to(self.h.dtype)  # [k, r, V]
             self.log_phi[0, self.ready:i] = logits.log_softmax(-1)
-            for p in range(self.ready, i):  # the very values a byte was drawn from (another product's
-                if p in self.drawn:         # rounding could differ in the last bits)
-                    unit, row = self.drawn.pop(p)
-                    self.log_phi[0, p, unit] = row
+            if self.drawn is not None:  # the very values a byte was drawn from (another product's
+                first, units, rows = self.drawn  # rounding could differ in the last bits)
+                for p in range(max(self.ready, first), min(i, first + len(units))):
+                    self.log_phi[0, p, units[p - first]] = rows[p - first]
             self.ready = i
 
     @torch.no_grad()
@@ -189,11 +190,11 @@ class LazyUnits:
         if self.ready:
             done = min(self.ready, n)
             out[0, :done] = self.log_phi[0, :done].gather(1, states[0, :done, None, None].expand(-1, 1, V)).squeeze(1)
-        if self.ready < n:  # one matrix-vector product per position on a view (no gather copy)
+        if self.ready < n:  # the selected unit of each position (`_blocks_matvec`)
             units = states[0, self.ready:n].tolist()
-            rows = [self.weights[i, s] @ self.hw for i, s in enumerate(units, start=self.ready)]
-            out[0, self.ready:] = torch.stack(rows).to(self.h.dtype).log_softmax(-1)
-            self.drawn = {i: (s, out[0, i]) for i, s in enumerate(units, start=self.ready)}
+            rows = _blocks_matvec(self.weights, torch.arange(self.ready, n), states[0, self.ready:n], self.hw)
+            out[0, self.ready:] = rows.to(self.h.dtype).log_softmax(-1)
+            self.drawn = (self.ready, units, out[0, self.ready:])
         return out
 
 
@@ -213,7 +214,7 @@ class LazyBTree:
       upward and outside values are kept per node, so the conditionals of one cycle share them
       and position i + 1 mostly reuses position i's path.
     Input units are `self.units` (`LazyUnits`): all r units only up to the verified position.
-    With `units_dtype` (bfloat16) the inner projections are read in it too; a row a draw read is
+    With `units_dtype` (bfloat16, int8) the inner projections are read in it too; a row a draw read is
     the row its node's full weights use later (`drawn`), so draws and conditionals agree exactly."""
 
     def __init__(self, head: MTPCHead, hidden: torch.Tensor, units_dtype: torch.dtype | None = None):
@@ -232,7 +233,7 @@ class LazyBTree:
             self.hw = self.h.to(inner.dtype)
         self.tokens: list[int] = []   # the window drawn last
         self.weights: dict[tuple[int, int], torch.Tensor] = {}  # (level, k) -> W [r, r] (rows: the node's units)
-        self.drawn: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (level, k) -> (row, its logits) a draw read
+        self.drawn: dict[int, tuple[list[int], torch.Tensor]] = {}  # level -> (row of each node, their logits) a draw read
         self.up: dict[tuple, torch.Tensor] = {}       # (level, k[, limit]) -> upward log value [r]
         self.outside: dict[tuple[int, int], torch.Tensor] = {}  # (level, k) -> outside log value [r]
 
@@ -240,10 +241,10 @@ class LazyBTree:
         """W [r, r] of node k of inner level `level` (probabilities; rows sum to 1)."""
         if (level, k) not in self.weights:
             node = self.levels[level][0] + k
-            logits = (self.inner[node] @ self.hw).to(self.h.dtype) + self.inner_bias[node]  # [r, r]
-            if (level, k) in self.drawn:  # the very row a draw used (another product may round differently)
-                row, values = self.drawn[level, k]
-                logits[row] = values
+            logits = _matvec(self.inner[node], self.hw).to(self.h.dtype) + self.inner_bias[node]  # [r, r]
+            if level in self.drawn:  # the very row a draw used (another product may round differently)
+                rows, values = self.drawn[level]
+                logits[rows[k]] = values[k]
             self.weights[level, k] = logits.softmax(-1)
         return self.weights[level, k]
 
@@ -295,12 +296,13 @@ class LazyBTree:
         for level in range(top, -1, -1):
             first, nodes = self.levels[level]
             ids = torch.arange(first, first + nodes, device=state.device)
-            logits = (self.inner[ids, state] @ self.hw).to(self.h.dtype) + self.inner_bias[ids, state]  # [nodes, r]
-            for k, row in enumerate(state.tolist()):
-                if (level, k) in self.weights:  # projected in full already (evidence below it)
-                    logits[k] = self.weights[level, k][row].log()
-                else:
-                    self.drawn[level, k] = (row, logits[k])
+            chosen = _rows(self.inner, ids, state)  # [nodes, r, d]: each node's row for its parent's state
+            logits = _matvec(chosen, self.hw).to(self.h.dtype) + _rows(self.inner_bias, ids, state)  # [nodes, r]
+            rows = state.tolist()
+            for k in range(-(-m // 2 ** (level + 1))):  # projected in full already (evidence below them)
+                if (level, k) in self.weights:
+                    logits[k] = self.weights[level, k][rows[k]].log()
+            self.drawn[level] = (rows, logits)  # nodes projected later take their row from here
             log_rows = logits.log_softmax(-1)
             for k in range(-(-m // 2 ** (level + 1))):  # the nodes with evidence below them
                 log_rows[k] += message(level, k)
@@ -320,6 +322,81 @@ class LazyBTree:
         self.units.upto(i + 1)
         g = self._outside(-1, i)
         return torch.logsumexp(g.log_softmax(-1)[:, None] + self.units.log_phi[0, i], dim=0)
+
+
+class Int8Rows:
+    """A decode-time weight [..., K] in int8 with one scale per row (weight-only, symmetric):
+    half the bytes of bfloat16 for the memory-bound head products (`units=int8`; torch's
+    `_weight_int8pack_mm` kernel on CPU, a dequantizing product elsewhere). Products take
+    bfloat16 inputs; indexing keeps rows and their scales together."""
+
+    dtype = torch.bfloat16  # the precision of the inputs and outputs of its products
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
+        self.q, self.scales = q, scales  # [..., K] int8, [...] bfloat16
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Int8Rows":
+        weight = weight.detach().float()
+        # the scales are kept in bfloat16 (the kernel's), so quantize with the rounded scales; 126
+        # leaves room for rounding a scale down by up to 2^-9, so no row's largest weight clips
+        scales = (weight.abs().amax(-1).clamp_min(1e-30) / 126).to(cls.dtype)
+        q = (weight / scales.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
+        return cls(q, scales)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scales.float()[..., None]
+
+    def __getitem__(self, index) -> "Int8Rows":
+        return Int8Rows(self.q[index], self.scales[index])
+
+    def __len__(self) -> int:
+        return len(self.q)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def view(self, *shape: int) -> "Int8Rows":
+        q = self.q.view(*shape)
+        return Int8Rows(q, self.scales.view(q.shape[:-1]))
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:
+        """W @ x [...] for x [K] (bfloat16)."""
+        q = self.q.reshape(-1, self.q.shape[-1])
+        if _INT8_MM is not None and q.device.type == "cpu":
+            out = _INT8_MM(x[None], q, self.scales.reshape(-1))[0]
+        else:
+            out = (q.to(x.dtype) @ x) * self.scales.reshape(-1)
+        return out.view(self.q.shape[:-1])
+
+
+_INT8_MM = getattr(torch, "_weight_int8pack_mm", None)  # torch's weight-only int8 kernel (CPU)
+
+
+def _blocks_matvec(w: "torch.Tensor | Int8Rows", i: torch.Tensor, j: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """w[i, j] @ x for w [I, J, N, K], index vectors i, j [k] -> [k, N]. int8: one product over
+    the blocks copied by `_rows`; floating point: one product per block on a view (a copy of
+    the blocks costs as much as the product)."""
+    if isinstance(w, Int8Rows):
+        return _matvec(_rows(w, i, j), x)
+    return torch.stack([_matvec(w[a, b], x) for a, b in zip(i.tolist(), j.tolist())])
+
+
+def _rows(w: "torch.Tensor | Int8Rows", i: torch.Tensor, j: torch.Tensor) -> "torch.Tensor | Int8Rows":
+    """w[i, j] for w [I, J, ...] and index vectors i, j [k]: rows copied with `index_select`
+    on a flattened view (much faster than advanced indexing on CPU)."""
+    if isinstance(w, Int8Rows):
+        return Int8Rows(_rows(w.q, i, j), _rows(w.scales, i, j))
+    J = w.shape[1]
+    return w.reshape(len(w) * J, -1).index_select(0, i * J + j).view(len(i), *w.shape[2:])
+
+
+def _matvec(w: "torch.Tensor | Int8Rows", x: torch.Tensor) -> torch.Tensor:
+    """w [..., K] @ x [K] -> [...]: one matrix-vector product over all leading dimensions."""
+    if isinstance(w, Int8Rows):
+        return w.matvec(x)
+    return (w.reshape(-1, w.shape[-1]) @ x).view(w.shape[:-1])
 
 
 def _log_matvec(w: torch.Tensor, log_v: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ from mtpkit.models.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.mtpc import LazyBTree, MTPCModel, load_head
 
 CYCLES = ("alg2", "bonus")
-UNIT_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # None: the head's own precision
+UNIT_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "int8": torch.int8}  # None: the head's own precision
 
 
 @dataclass
@@ -64,8 +64,9 @@ class MTPCDraftConfig:
     seed: int = 0
     """seed of the drafter's own sampling (speculative sampling only)"""
     units: str = "float32"
-    """precision the sampling path reads the head's unembeddings in: float32 | bfloat16 (half the
-    bytes of a memory-bound product; still exact, the verifier uses the q the draft came from)"""
+    """precision the sampling path reads the head's unembeddings (and BTree sum projections) in:
+    float32 | bfloat16 (half the bytes of a memory-bound product) | int8 (weight-only, one scale
+    per row: a quarter); all exact, the verifier uses the very q the draft came from"""
 
 
 class LazyConditionals:

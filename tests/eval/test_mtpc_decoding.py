@@ -133,10 +133,11 @@ def exact_two_token_joint(model):
 
 @pytest.mark.parametrize("arch,L,cycle,units", [("btree", 0, "alg2", "float32"), ("hmm", 1, "alg2", "float32"),
                                                ("cp", 0, "bonus", "float32"), ("cirkit", 0, "alg2", "float32"),
-                                               ("btree", 1, "alg2", "bfloat16")])
+                                               ("btree", 1, "alg2", "bfloat16"), ("btree", 0, "alg2", "int8"),
+                                               ("ff", 0, "alg2", "int8")])
 def test_speculative_sampling_with_a_circuit_draft_is_exact(small, arch, L, cycle, units):
-    """units=bfloat16: the units are products in bfloat16, and the verifier must use the very q
-    each byte was drawn from"""
+    """units=bfloat16|int8: the units are products in lower precision, and the verifier must use
+    the very q each byte was drawn from"""
     head = make_head(small, arch, L, n=2, seed=4)
     target = Target(small)
     drafter = MTPCDrafter(MTPCDraftConfig(seed=1, cycle=cycle, units=units), model=head)

@@ -7,7 +7,7 @@ import torch
 
 from mtpkit.models.circuits import (CircuitParams, _logmatvec, log_prob, next_log_probs, next_log_probs_posterior,
                                     sample, sample_states, sample_tokens)
-from mtpkit.models.mtpc import LazyBTree, MTPCConfig, MTPCHead, window_loss, window_targets
+from mtpkit.models.mtpc import Int8Rows, LazyBTree, MTPCConfig, MTPCHead, window_loss, window_targets
 
 V, D = 11, 8
 
@@ -177,25 +177,65 @@ def test_lazy_btree_draws_the_same_windows_and_conditionals_as_the_full_head(n):
             torch.testing.assert_close(got, next_log_probs(full, window[None], i)[0], rtol=1e-9, atol=1e-9)
 
 
-def test_lazy_btree_in_bfloat16_verifies_with_the_rows_it_drew_from():
-    """units=bfloat16: products of other shapes may round differently, so the sum-weight rows
-    and input units a draw read are the ones the conditionals use afterwards (sampling exact)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_lazy_btree_in_low_precision_verifies_with_the_rows_it_drew_from(dtype):
+    """units=bfloat16|int8: products of other shapes may round differently, so the sum-weight
+    rows and input units a draw read are the ones the conditionals use afterwards (sampling exact)."""
     head = trained_looking("btree", 8, 3, seed=2).float()
     h = torch.randn(D, generator=torch.Generator().manual_seed(4))
-    tree = LazyBTree(head, h, torch.bfloat16)
+    tree = LazyBTree(head, h, dtype)
     tree.sample(torch.Generator().manual_seed(1), [], 8)
-    rows, units = dict(tree.drawn), dict(tree.units.drawn)
-    assert len(rows) == 4 + 2 and len(units) == 8  # every inner node and position drew from one row
+    levels = {level: (list(rows), logits.clone()) for level, (rows, logits) in tree.drawn.items()}
+    first, units, unit_rows = tree.units.drawn
+    assert sum(len(rows) for rows, _ in levels.values()) == 4 + 2  # every inner node drew from one row
+    assert first == 0 and len(units) == len(unit_rows) == 8  # and so did every position
+    unit_rows = unit_rows.clone()
     with torch.no_grad():  # the full products now round differently (exaggerated)
-        tree.inner.add_(0.01)
-        tree.units.weights.add_(0.01)
+        for weight in (tree.inner, tree.units.weights):
+            (weight.scales.mul_(1.01) if isinstance(weight, Int8Rows) else weight.add_(0.01))
     for i in range(8):
         tree.conditional(i)
     checked = 0
-    for (level, k), (row, logits) in rows.items():
-        if (level, k) in tree.weights:
-            assert torch.equal(tree.weights[level, k][row], logits.softmax(-1))
-            checked += 1
+    for level, (rows, logits) in levels.items():
+        for k, row in enumerate(rows):
+            if (level, k) in tree.weights:
+                assert torch.equal(tree.weights[level, k][row], logits[k].softmax(-1))
+                checked += 1
     assert checked == len(tree.weights) > 0
-    for position, (unit, log_phi) in units.items():
-        assert torch.equal(tree.units.log_phi[0, position, unit], log_phi)
+    for position, unit in enumerate(units):
+        assert torch.equal(tree.units.log_phi[0, position, unit], unit_rows[position])
+
+
+def test_int8_rows_quantize_rows_and_keep_their_scales_through_indexing():
+    """units=int8: one scale per row, every weight within half a step of its row's grid; the
+    kernel's products equal the dequantized weights' (bfloat16 rounding aside), also on indexed
+    and `index_select`-gathered blocks."""
+    from mtpkit.models.mtpc import _blocks_matvec, _matvec
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 4, 5, 16, generator=g) * torch.rand(3, 4, 5, 1, generator=g)  # rows of unequal range
+    q = Int8Rows.quantize(w)
+    assert q.q.dtype == torch.int8 and q.scales.shape == (3, 4, 5)
+    step = q.scales.float()[..., None]
+    assert ((q.dequantize() - w).abs() <= step * (0.5 + 1e-5)).all()
+    assert q.q.abs().amax(-1).ge(126).all()  # each row uses its grid's range
+    x = torch.randn(16, generator=g).bfloat16()
+    want = q.dequantize() @ x.float()
+    torch.testing.assert_close(_matvec(q, x).float(), want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(_matvec(q[1, 2], x).float(), want[1, 2], rtol=2e-2, atol=2e-2)
+    i, j = torch.tensor([2, 0, 1]), torch.tensor([3, 3, 0])
+    blocks = _blocks_matvec(q, i, j, x)
+    assert torch.equal(blocks, torch.stack([_matvec(q[a, b], x) for a, b in zip(i.tolist(), j.tolist())]))
+    assert not torch.equal(blocks, _blocks_matvec(q, i, (j + 1) % 4, x))  # the index reaches the rows
+
+
+def test_decode_copies_of_several_precisions_coexist():
+    """Drafters of several precisions may share one head (a bench): each precision is converted
+    once, not again every time the other one is used; a weight update converts again."""
+    head = trained_looking("btree", 4, 3, seed=1).float()
+    first = {dtype: head.weight_as("unembed", dtype) for dtype in (torch.bfloat16, torch.int8)}
+    for dtype in (torch.bfloat16, torch.int8, torch.bfloat16):
+        assert head.weight_as("unembed", dtype) is first[dtype]
+    with torch.no_grad():
+        head.unembed.add_(1.0)
+    assert head.weight_as("unembed", torch.int8) is not first[torch.int8]
