@@ -299,12 +299,13 @@ class LazyBTree:
             chosen = _rows(self.inner, ids, state)  # [nodes, r, d]: each node's row for its parent's state
             logits = _matvec(chosen, self.hw).to(self.h.dtype) + _rows(self.inner_bias, ids, state)  # [nodes, r]
             rows = state.tolist()
-            for k in range(-(-m // 2 ** (level + 1))):  # projected in full already (evidence below them)
+            evidence = range(-(-m // 2 ** (level + 1)))  # the nodes with evidence below them
+            for k in evidence:  # projected in full already (by the root's message)
                 if (level, k) in self.weights:
                     logits[k] = self.weights[level, k][rows[k]].log()
             self.drawn[level] = (rows, logits)  # nodes projected later take their row from here
             log_rows = logits.log_softmax(-1)
-            for k in range(-(-m // 2 ** (level + 1))):  # the nodes with evidence below them
+            for k in evidence:
                 log_rows[k] += message(level, k)
             state = _draw(log_rows[None], generator)[0].repeat_interleave(2)
         window = torch.zeros(head.cfg.n, dtype=torch.long, device=state.device)
@@ -352,10 +353,6 @@ class Int8Rows:
 
     def __len__(self) -> int:
         return len(self.q)
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
 
     def view(self, *shape: int) -> "Int8Rows":
         q = self.q.view(*shape)
