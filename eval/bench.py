@@ -16,7 +16,9 @@ Methods (`name` or `name:key=value,key=value`; results are keyed by the full spe
   mtpc               MTPC circuit heads over a byte-level target (train/mtpc.py), Algorithm 2:
                      head=DIR (export or checkpoint-N/), n=0 (draft bytes; 0 = the window),
                      cycle=alg2|bonus, greedy=mode|chain, seed=0, units=float32|bfloat16|int8
-                     (precision of the unit products under sampling; exact either way)
+                     (precision of the unit products under sampling; exact either way),
+                     verify=marginal|path (the verifier's q under sampling: the prefix marginal,
+                     Algorithm 3, or the units the draft's latent path selected; exact either way)
   hf_ar              transformers' own generate() (peer baseline, no tau)
   hf_pld             transformers' generate(prompt_lookup_num_tokens=num): num=10, ngram=2
 `ar` always runs (it is every speed-up's denominator). Every method, `ar` included, runs on the

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 from torch import nn
 
-from mtpkit.models.circuits import ARCHS, CircuitParams, _btree_levels, _draw, num_inner, prefix_log_probs, sample_tokens
+from mtpkit.models.circuits import ARCHS, CircuitParams, _btree_levels, num_inner, prefix_log_probs
 
 
 @dataclasses.dataclass
@@ -213,42 +214,66 @@ class LazyBTree:
       upward value (complete if the sibling lies before i, exactly 1 if after). Full node weights,
       upward and outside values are kept per node, so the conditionals of one cycle share them
       and position i + 1 mostly reuses position i's path.
-    Input units are `self.units` (`LazyUnits`): all r units only up to the verified position.
-    With `units_dtype` (bfloat16, int8) the inner projections are read in it too; a row a draw read is
-    the row its node's full weights use later (`drawn`), so draws and conditionals agree exactly."""
+    Input units: all r units (`leaves`) only up to the verified position, the selected one
+    elsewhere. With `units_dtype` (bfloat16, int8) the unembeddings and inner projections are read
+    in it; a unit or weight row a draw read is the row the conditionals use later (`drawn`), so
+    draws and conditionals agree exactly.
+
+    The products (unembeddings, projections) are torch's; everything after them works on vectors
+    of r and runs in numpy, whose small ops cost about a microsecond against several for a torch
+    op's dispatch. That halves the aten calls of a cycle (977 -> 492) but saves only 3-5% of its
+    time at n = 16, r = 32, V = 260, d = 384 in int8 on this CPU: after a backbone forward the
+    ~16 MB of weights a cycle reads come from memory, and those reads are most of its ~3.5 ms."""
 
     def __init__(self, head: MTPCHead, hidden: torch.Tensor, units_dtype: torch.dtype | None = None):
         if head.cfg.arch != "btree":
             raise ValueError(f"LazyBTree needs a btree head, got {head.cfg.arch!r}")
-        self.head, self.r = head, head.cfg.units
-        self.h = hidden.to(head.unembed.dtype)
-        self.units = LazyUnits(head, self.h, head.cfg.n, units_dtype)
-        self.levels = _btree_levels(head.cfg.n)  # inner levels, bottom-up: (first node, nodes)
+        self.head, self.r, n = head, head.cfg.units, head.cfg.n
+        self.h = hidden.detach().to(head.unembed.dtype)
+        self.unembed = head.weight_as("unembed", units_dtype or head.unembed.dtype)  # [n, r, V, d]
+        self.hw = self.h.to(self.unembed.dtype)
+        self.levels = _btree_levels(n)  # inner levels, bottom-up: (first node, nodes)
         with torch.no_grad():
-            self.log_root = (head.root @ self.h + head.root_bias).log_softmax(-1)  # [r]
+            self.log_root = (head.root @ self.h + head.root_bias).log_softmax(-1).numpy()  # [r]
         if self.levels:  # the inner projections, read in the units' precision too
             inner = head.weight_as("inner", units_dtype or head.inner.dtype)
             self.inner = inner.view(len(inner), self.r, self.r, -1)  # [L, r (unit), r (input), d]
-            self.inner_bias = head.inner_bias.view(len(inner), self.r, self.r)
-            self.hw = self.h.to(inner.dtype)
+            self.inner_bias = head.inner_bias.detach().numpy().reshape(len(inner), self.r, self.r)
+        self.leaves = np.empty((n, self.r, head.vocab_size), dtype=self.log_root.dtype)  # log phi, all units
+        self.ready = 0  # positions < ready have all their units in `leaves`
         self.tokens: list[int] = []   # the window drawn last
-        self.weights: dict[tuple[int, int], torch.Tensor] = {}  # (level, k) -> W [r, r] (rows: the node's units)
-        self.drawn: dict[int, tuple[list[int], torch.Tensor]] = {}  # level -> (row of each node, their logits) a draw read
-        self.up: dict[tuple, torch.Tensor] = {}       # (level, k[, limit]) -> upward log value [r]
-        self.outside: dict[tuple[int, int], torch.Tensor] = {}  # (level, k) -> outside log value [r]
+        self.weights: dict[tuple[int, int], np.ndarray] = {}  # (level, k) -> W [r, r] (rows: the node's units)
+        self.drawn: dict[int, tuple[list[int], np.ndarray]] = {}  # level -> (row of each node, their logits) a draw read
+        self.drawn_units: dict[int, tuple[int, np.ndarray]] = {}  # position -> (unit, log phi [V]) a draw read
+        self.up: dict[tuple, np.ndarray] = {}       # (level, k[, limit]) -> upward log value [r]
+        self.outside: dict[tuple[int, int], np.ndarray] = {}  # (level, k) -> outside log value [r]
 
-    def _weights(self, level: int, k: int) -> torch.Tensor:
+    @torch.no_grad()
+    def _leaves_upto(self, i: int) -> None:
+        """Every unit of positions < i, in one product."""
+        i = min(i, len(self.leaves))
+        if i > self.ready:
+            logits = _matvec(self.unembed[self.ready:i], self.hw).to(self.h.dtype)  # [k, r, V]
+            self.leaves[self.ready:i] = logits.log_softmax(-1).numpy()
+            for p in range(self.ready, i):  # the very values a byte was drawn from (another
+                if p in self.drawn_units:   # product's rounding could differ in the last bits)
+                    unit, row = self.drawn_units[p]
+                    self.leaves[p, unit] = row
+            self.ready = i
+
+    @torch.no_grad()
+    def _weights(self, level: int, k: int) -> np.ndarray:
         """W [r, r] of node k of inner level `level` (probabilities; rows sum to 1)."""
         if (level, k) not in self.weights:
             node = self.levels[level][0] + k
-            logits = _matvec(self.inner[node], self.hw).to(self.h.dtype) + self.inner_bias[node]  # [r, r]
+            logits = _matvec(self.inner[node], self.hw).to(self.h.dtype).numpy() + self.inner_bias[node]  # [r, r]
             if level in self.drawn:  # the very row a draw used (another product may round differently)
                 rows, values = self.drawn[level]
                 logits[rows[k]] = values[k]
-            self.weights[level, k] = logits.softmax(-1)
+            self.weights[level, k] = _np_softmax(logits)
         return self.weights[level, k]
 
-    def _upward(self, level: int, k: int, limit: int) -> torch.Tensor | None:
+    def _upward(self, level: int, k: int, limit: int) -> np.ndarray | None:
         """log value [r] of node k of `level` (-1: the leaves) with the window's positions < limit
         observed and the rest summed out; None where nothing is observed (the value is 1)."""
         size = 2 ** (level + 1)
@@ -257,72 +282,115 @@ class LazyBTree:
         key = (level, k) if limit >= (k + 1) * size else (level, k, limit)
         if key not in self.up:
             if level == -1:
-                self.up[key] = self.units.log_phi[0, k, :, self.tokens[k]]
+                self.up[key] = self.leaves[k, :, self.tokens[k]]
             else:
                 left, right = self._upward(level - 1, 2 * k, limit), self._upward(level - 1, 2 * k + 1, limit)
-                self.up[key] = _log_matvec(self._weights(level, k), left if right is None else left + right)
+                self.up[key] = _np_log_matvec(self._weights(level, k), left if right is None else left + right)
         return self.up[key]
 
-    def _outside(self, level: int, k: int) -> torch.Tensor:
+    def _outside(self, level: int, k: int) -> np.ndarray:
         """log outside value [r] of node k of `level` given the positions before it (those after
         it summed out): the same for every position inside the node."""
         if (level, k) not in self.outside:
             if level == len(self.levels) - 1:
                 g = self.log_root
             else:
-                g = _log_matvec(self._weights(level + 1, k // 2).T, self._outside(level + 1, k // 2))
+                g = _np_log_matvec(self._weights(level + 1, k // 2).T, self._outside(level + 1, k // 2))
             sibling = self._upward(level, k ^ 1, k * 2 ** (level + 1))
             self.outside[level, k] = g if sibling is None else g + sibling
         return self.outside[level, k]
 
+    def _message(self, level: int, k: int, m: int) -> np.ndarray | float:
+        """The upward value of node k of `level`'s children given the first m positions."""
+        left, right = self._upward(level - 1, 2 * k, m), self._upward(level - 1, 2 * k + 1, m)
+        return 0.0 if left is None else left if right is None else left + right
+
     @torch.no_grad()
     def sample(self, generator: torch.Generator, given: list[int], n: int) -> torch.Tensor:
         """A window [n_head] from q(x | x_<m = given) (m = len(given)); only its first `n`
-        positions are drawn, the rest stay 0 (a prefix of a window is a draw of the marginal)."""
-        m, head = len(given), self.head
+        positions are drawn, the rest stay 0 (a prefix of a window is a draw of the marginal).
+        The uniforms come from `generator` in the shapes and order of `circuits.sample`."""
+        m, dtype = len(given), self.h.dtype
         self.tokens = list(given)
         self.up.clear()
         self.outside.clear()
-        self.units.upto(m)
-        top = len(self.levels) - 1
-
-        def message(level: int, k: int) -> torch.Tensor | float:  # upward value of node's children
-            left, right = self._upward(level - 1, 2 * k, m), self._upward(level - 1, 2 * k + 1, m)
-            return 0.0 if left is None else left if right is None else left + right
-
         self.drawn.clear()
-        choice = _draw((self.log_root + message(top + 1, 0))[None], generator)  # [1]
-        state = choice.repeat(2)
-        for level in range(top, -1, -1):
-            first, nodes = self.levels[level]
-            ids = torch.arange(first, first + nodes, device=state.device)
-            chosen = _rows(self.inner, ids, state)  # [nodes, r, d]: each node's row for its parent's state
-            logits = _matvec(chosen, self.hw).to(self.h.dtype) + _rows(self.inner_bias, ids, state)  # [nodes, r]
-            rows = state.tolist()
-            evidence = range(-(-m // 2 ** (level + 1)))  # the nodes with evidence below them
-            for k in evidence:  # projected in full already (by the root's message)
-                if (level, k) in self.weights:
-                    logits[k] = self.weights[level, k][rows[k]].log()
-            self.drawn[level] = (rows, logits)  # nodes projected later take their row from here
-            log_rows = logits.log_softmax(-1)
-            for k in evidence:
-                log_rows[k] += message(level, k)
-            state = _draw(log_rows[None], generator)[0].repeat_interleave(2)
-        window = torch.zeros(head.cfg.n, dtype=torch.long, device=state.device)
-        window[:m] = torch.tensor(given, dtype=torch.long)
-        observed = (torch.arange(n, device=state.device) < m)[None]
-        drawn = sample_tokens(self.units.selected(state[None], n), generator, window[None, :n] if m else None,
-                              observed if m else None)[0]
-        window[m:n] = drawn[m:]
-        self.tokens = window.tolist()
+        self.drawn_units.clear()
+        self._leaves_upto(m)
+        top = len(self.levels) - 1
+        with np.errstate(divide="ignore"):
+            choice = _np_draw(self.log_root + self._message(top + 1, 0, m), generator, dtype)
+            rows = [choice, choice]  # the root's unit, for both halves
+            for level in range(top, -1, -1):
+                first, nodes = self.levels[level]
+                ids = torch.arange(first, first + nodes)
+                chosen = _rows(self.inner, ids, torch.tensor(rows))  # [nodes, r, d]: each node's row for its parent's unit
+                logits = _matvec(chosen, self.hw).to(dtype).numpy() + self.inner_bias[ids.numpy(), rows]  # [nodes, r]
+                evidence = range(-(-m // 2 ** (level + 1)))  # the nodes with evidence below them
+                for k in evidence:  # projected in full already (by the root's message)
+                    if (level, k) in self.weights:
+                        logits[k] = np.log(self.weights[level, k][rows[k]])
+                self.drawn[level] = (rows, logits)  # nodes projected later take their row from here
+                log_rows = logits - _np_logsumexp(logits)[:, None]
+                for k in evidence:
+                    log_rows[k] += self._message(level, k, m)
+                rows = [unit for unit in _np_draw(log_rows, generator, dtype).tolist() for _ in (0, 1)]
+            # the tokens: the unit each position selected, one product over their rows
+            units = rows[m:n]
+            u = torch.rand(1, n, self.head.vocab_size, generator=generator, dtype=dtype)[0, m:].numpy()
+            if units:
+                logits = _blocks_matvec(self.unembed, torch.arange(m, n), torch.tensor(units), self.hw)  # [n - m, V]
+                log_phi = logits.to(dtype).log_softmax(-1).numpy()
+                for p, unit, row in zip(range(m, n), units, log_phi):
+                    self.drawn_units[p] = (unit, row)
+                drawn = (log_phi - np.log(-np.log(np.maximum(u, 1e-20)))).argmax(-1).tolist()
+            else:
+                drawn = []
+        self.tokens = list(given) + drawn
+        window = torch.zeros(self.head.cfg.n, dtype=torch.long)
+        window[:n] = torch.tensor(self.tokens, dtype=torch.long)
         return window
+
+    def drawn_conditional(self, i: int) -> torch.Tensor:
+        """log phi [V] of the unit the last draw's latent path selected at position i (>= the
+        number of given bytes): the distribution byte i was drawn from given that path."""
+        return torch.from_numpy(self.drawn_units[i][1])
 
     @torch.no_grad()
     def conditional(self, i: int) -> torch.Tensor:
         """log q(X_i | x_<i) [V] for the window drawn last."""
-        self.units.upto(i + 1)
-        g = self._outside(-1, i)
-        return torch.logsumexp(g.log_softmax(-1)[:, None] + self.units.log_phi[0, i], dim=0)
+        self._leaves_upto(i + 1)
+        with np.errstate(divide="ignore"):
+            g = self._outside(-1, i)
+            terms = (g - _np_logsumexp(g))[:, None] + self.leaves[i]  # [r, V]
+            return torch.from_numpy(_np_logsumexp(terms.T))
+
+
+def _np_logsumexp(x: np.ndarray) -> np.ndarray:
+    """log sum exp over the last axis (max-shifted)."""
+    top = x.max(-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0)
+    return np.log(np.exp(x - top).sum(-1)) + top[..., 0]
+
+
+def _np_softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _np_log_matvec(w: np.ndarray, log_v: np.ndarray) -> np.ndarray:
+    """log(W @ exp(v)) for one vector: w [o, i] probabilities, log_v [i]. The decode-only twin of
+    `circuits._logmatvec` (which keeps an exact gradient through zero weights for training): a
+    max-shifted matrix-vector product, not a logsumexp over the broadcast [o, i]."""
+    top = log_v.max()
+    return np.log(w @ np.exp(log_v - top)) + top
+
+
+def _np_draw(log_probs: np.ndarray, generator: torch.Generator, dtype: torch.dtype) -> np.ndarray:
+    """`circuits._draw` (Gumbel-max) on numpy log-probabilities [..., k]: the uniforms come from
+    `generator` in the same shape, so the draws match."""
+    u = torch.rand((1,) + log_probs.shape, generator=generator, dtype=dtype)[0].numpy()
+    return (log_probs - np.log(-np.log(np.maximum(u, 1e-20)))).argmax(-1)
 
 
 class Int8Rows:
@@ -361,7 +429,9 @@ class Int8Rows:
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         """W @ x [...] for x [K] (bfloat16)."""
         q = self.q.reshape(-1, self.q.shape[-1])
-        if _INT8_MM is not None and q.device.type == "cpu":
+        # the kernel reads its input in whole vector blocks: on a row length that is not a multiple
+        # of the block it reads past the end (garbage, or a segfault, seen at K = 8 and 24)
+        if _INT8_MM is not None and q.device.type == "cpu" and q.shape[-1] % _INT8_MM_BLOCK == 0:
             out = _INT8_MM(x[None], q, self.scales.reshape(-1))[0]
         else:
             out = (q.to(x.dtype) @ x) * self.scales.reshape(-1)
@@ -369,6 +439,7 @@ class Int8Rows:
 
 
 _INT8_MM = getattr(torch, "_weight_int8pack_mm", None)  # torch's weight-only int8 kernel (CPU)
+_INT8_MM_BLOCK = 32  # row lengths the kernel handles (multiples of 16 were exact on AVX-512; 32 for margin)
 
 
 def _blocks_matvec(w: "torch.Tensor | Int8Rows", i: torch.Tensor, j: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -394,15 +465,6 @@ def _matvec(w: "torch.Tensor | Int8Rows", x: torch.Tensor) -> torch.Tensor:
     if isinstance(w, Int8Rows):
         return w.matvec(x)
     return (w.reshape(-1, w.shape[-1]) @ x).view(w.shape[:-1])
-
-
-def _log_matvec(w: torch.Tensor, log_v: torch.Tensor) -> torch.Tensor:
-    """log(W @ exp(v)) for one vector: w [o, i] probabilities, log_v [i]. The decode-only twin of
-    `circuits._logmatvec` (which keeps an exact gradient through zero weights for training):
-    a max-shifted matrix-vector product instead of a logsumexp over the broadcast [o, i], about
-    0.3 ms less per BTree sampling cycle at r = 32 on this CPU (measured with torch.profiler)."""
-    top = log_v.max()
-    return (w @ (log_v - top).exp()).log() + top
 
 
 def window_targets(labels: torch.Tensor, n: int, ignore: int = -100) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,14 @@ head's input units are computed lazily too (`LazyUnits`): all r units only for t
 conditioned on or verified, one unit per other position; a BTree cycle (`LazyBTree`) also
 projects only the sum weights its draws and conditionals read. Greedy drafts compute the whole
 head (the mode and the chain read every unit).
+
+`verify=path` verifies each byte with the input unit the draft's latent path selected (the
+distribution it was drawn from given the path) instead of the prefix marginal. Speculative
+sampling is exact for any proposal the drafter really drew from, and may condition on the
+drafter's own randomness (the path), so the output is still distributed as the target's; the
+verifier then needs no position's r units at all (for BTree: no full inner weights beyond the
+kept byte's path either), at the price of the mixture's averaging (the marginal accepts more in
+expectation, by concavity of min(p, q)).
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from mtpkit.models.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.mtpc import LazyBTree, MTPCModel, load_head
 
 CYCLES = ("alg2", "bonus")
+VERIFY = ("marginal", "path")
 UNIT_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "int8": torch.int8}  # None: the head's own precision
 
 
@@ -67,6 +76,12 @@ class MTPCDraftConfig:
     """precision the sampling path reads the head's unembeddings (and BTree sum projections) in:
     float32 | bfloat16 (half the bytes of a memory-bound product) | int8 (weight-only, one scale
     per row: a quarter); all exact, the verifier uses the very q the draft came from"""
+    verify: str = "marginal"
+    """the q speculative sampling verifies each drafted byte with: marginal (q(x_i | x_<i), the
+    circuit's prefix-marginal conditional: Algorithm 3) | path (the input unit the draft's latent
+    path selected at i, the distribution the byte was drawn from given that path: exact as well,
+    since the path is the drafter's own randomness, and free, as no position needs all r units;
+    but the mixture's averaging is lost, so fewer bytes are accepted). Same for FF (one unit)"""
 
 
 class LazyConditionals:
@@ -94,6 +109,8 @@ class MTPCDrafter(Drafter):
             raise ValueError(f"mtpc cycle must be one of {CYCLES}, got {config.cycle!r}")
         if config.units not in UNIT_DTYPES:
             raise ValueError(f"mtpc units must be one of {tuple(UNIT_DTYPES)}, got {config.units!r}")
+        if config.verify not in VERIFY:
+            raise ValueError(f"mtpc verify must be one of {VERIFY}, got {config.verify!r}")
         self.config, self.model = config, model
         # seeded once, not per prompt: every decode must draw fresh windows (a window repeated
         # across runs is not a sample from q, and the acceptance rule would be biased)
@@ -164,9 +181,10 @@ class MTPCDrafter(Drafter):
         giving its conditionals log q(X_i | window[:i])."""
         m, n, head = len(self.given), self.n, self.model.head
         dtype = UNIT_DTYPES[self.config.units]
+        path = self.config.verify == "path"
         if self.model.cfg.arch == "btree":
             tree = LazyBTree(head, self.e, dtype)
-            return tree.sample(self.gen, self.given, n), tree.conditional
+            return tree.sample(self.gen, self.given, n), tree.drawn_conditional if path else tree.conditional
         params, units = head.decode(self.e, span, dtype)
         if units is None:  # a plugged-in cirkit circuit: conditional by conditional
             window = sample(params, self.gen, evidence, observed)[0]
@@ -178,6 +196,9 @@ class MTPCDrafter(Drafter):
             window = torch.cat([drawn, drawn.new_zeros(span - n)])  # later positions: never read
 
         def log_conditional(i: int) -> torch.Tensor:
+            if path and units is not None and units.drawn is not None:  # (FF sets none: its one unit is the marginal)
+                first, _, rows = units.drawn
+                return rows[i - first]
             if units is not None:  # the query reads the units of positions <= i
                 units.upto(i + 1)
             return next_log_probs_posterior(params, window[None], i)[0]

@@ -11,7 +11,9 @@ dominates both kernels there). `eval/bench.py --linear auto` (the default) runs 
 plain AR included, on the packed target, and also AR on the stock one (`ar_stock`).
 
 Exactness: with the weight packed for a batch of 4 rows (`PACK_ROWS`), a row's oneDNN result
-does not depend on how many rows are computed with it (tested; packed for 1 row it does). A
+does not depend on how many rows are computed with it (tested; packed for 1 row it does), on
+the CPUs and widths seen so far up to 4096 inputs, but not on session 10's AMD EPYC for 1280 or
+4096 inputs (any pack hint): there such rows can differ in the last bits with the row count. A
 single row of a small weight goes through `F.linear` instead and can differ from the oneDNN
 result in the last bits, as torch's own 1-row and many-row kernels already differ. Greedy
 decoding stays token for token equal to AR on the same packed target (tested).

@@ -48,7 +48,9 @@ class OracleMTPC(MTPCDrafter):
             return draft
         with torch.no_grad():
             full = self.model.features(torch.tensor([tokens]))[0, -1 - len(self.given)]  # newest byte with a state
-        torch.testing.assert_close(self.e, full, atol=1e-4, rtol=1e-4)  # incremental == recomputed
+        # incremental == recomputed, up to the rounding of another summation order (values up to
+        # ~2.7 here; differences up to 1.5e-4 seen on an AMD EPYC's kernels, 1e-4 held elsewhere)
+        torch.testing.assert_close(self.e, full, atol=1e-3, rtol=1e-3)
         self.checked += 1
         done = len(tokens) - self.start
         spec = list(self.truth[done: done + len(draft.tokens)]) or [0]
@@ -131,16 +133,23 @@ def exact_two_token_joint(model):
     return first[:, None] * second
 
 
-@pytest.mark.parametrize("arch,L,cycle,units", [("btree", 0, "alg2", "float32"), ("hmm", 1, "alg2", "float32"),
-                                               ("cp", 0, "bonus", "float32"), ("cirkit", 0, "alg2", "float32"),
-                                               ("btree", 1, "alg2", "bfloat16"), ("btree", 0, "alg2", "int8"),
-                                               ("ff", 0, "alg2", "int8")])
-def test_speculative_sampling_with_a_circuit_draft_is_exact(small, arch, L, cycle, units):
+@pytest.mark.parametrize("arch,L,cycle,units,verify", [
+    ("btree", 0, "alg2", "float32", "marginal"), ("hmm", 1, "alg2", "float32", "marginal"),
+    ("cp", 0, "bonus", "float32", "marginal"), ("cirkit", 0, "alg2", "float32", "marginal"),
+    ("btree", 1, "alg2", "bfloat16", "marginal"), ("btree", 0, "alg2", "int8", "marginal"),
+    ("ff", 0, "alg2", "int8", "marginal"), ("btree", 0, "alg2", "int8", "path"), ("cp", 0, "bonus", "float32", "path")])
+def test_speculative_sampling_with_a_circuit_draft_is_exact(small, monkeypatch, arch, L, cycle, units, verify):
     """units=bfloat16|int8: the units are products in lower precision, and the verifier must use
-    the very q each byte was drawn from"""
+    the very q each byte was drawn from. verify=path: q is the unit the draft's latent path
+    selected, never the prefix marginal (which is made to fail here)."""
     head = make_head(small, arch, L, n=2, seed=4)
     target = Target(small)
-    drafter = MTPCDrafter(MTPCDraftConfig(seed=1, cycle=cycle, units=units), model=head)
+    if verify == "path":
+        def no_marginal(*args, **kwargs):
+            raise AssertionError("verify=path computed a prefix marginal")
+        monkeypatch.setattr("mtpkit.models.mtpc.LazyBTree.conditional", no_marginal)
+        monkeypatch.setattr("mtpkit.models.mtpc_drafter.next_log_probs_posterior", no_marginal)
+    drafter = MTPCDrafter(MTPCDraftConfig(seed=1, cycle=cycle, units=units, verify=verify), model=head)
     counts = two_token_counts(target, drafter, 800)
     assert chi2_pvalue(counts, exact_two_token_joint(small)) > 1e-3
     # the drafts were really sampled from the circuit and partly accepted

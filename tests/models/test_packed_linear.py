@@ -19,9 +19,13 @@ from tests.models.test_gated_lora import make_gated
 
 
 def test_rows_do_not_depend_on_how_many_are_computed():
+    """Row invariance is oneDNN's, and depends on the CPU and the inner dimension: on session 10's
+    AMD EPYC it held at in_features 384 (the byte LM's width) for every pack hint from 2 up, but
+    not at 1280 or 4096 for any hint (rows then differ in the last bits with the row count, as
+    torch's own kernels do; this test used 4096 until then). Checked here at 384."""
     assert onednn_available()  # the torch pinned in the Makefile ships oneDNN
     torch.manual_seed(0)
-    big = nn.Linear(ONE_ROW_PACKED // 1024, 1024)  # one row of it goes through oneDNN too
+    big = nn.Linear(384, ONE_ROW_PACKED // 384 + 1)  # one row of it goes through oneDNN too
     small = nn.Linear(64, 96)
     x_big, x_small = torch.randn(1, 9, big.in_features), torch.randn(1, 9, 64)
     with torch.no_grad():
