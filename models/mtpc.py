@@ -343,7 +343,7 @@ class LazyBTree:
                 log_phi = logits.to(dtype).log_softmax(-1).numpy()
                 for p, unit, row in zip(range(m, n), units, log_phi):
                     self.drawn_units[p] = (unit, row)
-                drawn = (log_phi - np.log(-np.log(np.maximum(u, 1e-20)))).argmax(-1).tolist()
+                drawn = _gumbel_argmax(log_phi, u).tolist()
             else:
                 drawn = []
         self.tokens = list(given) + drawn
@@ -389,7 +389,11 @@ def _np_log_matvec(w: np.ndarray, log_v: np.ndarray) -> np.ndarray:
 def _np_draw(log_probs: np.ndarray, generator: torch.Generator, dtype: torch.dtype) -> np.ndarray:
     """`circuits._draw` (Gumbel-max) on numpy log-probabilities [..., k]: the uniforms come from
     `generator` in the same shape, so the draws match."""
-    u = torch.rand((1,) + log_probs.shape, generator=generator, dtype=dtype)[0].numpy()
+    return _gumbel_argmax(log_probs, torch.rand((1,) + log_probs.shape, generator=generator, dtype=dtype)[0].numpy())
+
+
+def _gumbel_argmax(log_probs: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """argmax(log p + Gumbel noise from the uniforms u), as `circuits._draw` computes it."""
     return (log_probs - np.log(-np.log(np.maximum(u, 1e-20)))).argmax(-1)
 
 
