@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from mtpkit.data.chat import generation_prompt_ids, load_examples
-from mtpkit.eval.generate import generate
+from mtpkit.models.generate import generate
 from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
 
 

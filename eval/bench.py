@@ -4,24 +4,9 @@
         --limit 20 --max-new-tokens 128 --methods ar pld probe:bc=10 probe:bc=30 probe:bc=60,masks=2 \
         --out runs/bench/results.json
 
-Methods (`name` or `name:key=value,key=value`; results are keyed by the full spec):
-  ar                 plain autoregressive decoding through the mtpkit decoder (the baseline)
-  ar_stock           the same on torch's stock kernels (added whenever --linear packs part of the
-                     target; the table's "vs stock AR" column divides by it)
-  pld                prompt lookup: ngram_max=3, ngram_min=1, draft_len=10
-  probe              training-free mask-token probing: bc=30, masks=0 (auto: 1 up to bc 30, else 2),
-                     init=mean|hard|sample, lam=0.1, prune=1, tree=dynamic|7-2, seed=0
-  gated_lora         trained gated-LoRA mask tokens (train/gated_lora.py): head=DIR (export or
-                     checkpoint head/ folder), decoding=linear|quadratic, sampler=1|0
-  mtpc               MTPC circuit heads over a byte-level target (train/mtpc.py), Algorithm 2:
-                     head=DIR (export or checkpoint-N/), n=0 (draft bytes; 0 = the window),
-                     cycle=alg2|bonus, greedy=mode|chain, seed=0, units=float32|bfloat16|int8
-                     (precision of the unit products under sampling; exact either way),
-                     verify=marginal|path (the verifier's q under sampling: the prefix marginal,
-                     Algorithm 3, or the units the draft's latent path selected; exact either way)
-  hf_ar              transformers' own generate() (peer baseline, no tau)
-  hf_pld             transformers' generate(prompt_lookup_num_tokens=num): num=10, ngram=2
-`ar` always runs (it is every speed-up's denominator). Every method, `ar` included, runs on the
+Methods (`name` or `name:key=value,key=value`; results are keyed by the full spec) are the entries of
+`mtpkit.models.registry.METHODS`; the list with every option and its default is printed at the end
+of `--help`. `ar` always runs (it is every speed-up's denominator). Every method, `ar` included, runs on the
 same target: with `--linear onednn` (the default where available) its linear layers use
 oneDNN's prepacked kernel, which on CPU costs about the same for 1-5 rows (see
 mtpkit.models.packed_linear); `--linear stock` keeps torch's default. Methods run interleaved prompt by
@@ -36,7 +21,6 @@ results.md (tables), results.png (tau and speed-up per category) and results_tra
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import sys
@@ -51,48 +35,10 @@ from mtpkit.data.chat import DataError, load_examples, prompt_ids
 from mtpkit.eval.decoder import PREFETCH_ROWS, Target, decode
 from mtpkit.eval.report import summarise, write_markdown, write_plot, write_tradeoff_plot
 from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
-from mtpkit.models.drafter import Drafter
-from mtpkit.models.gated_drafter import GatedLoRADraftConfig, GatedLoRADrafter
-from mtpkit.models.mtpc_drafter import MTPCDraftConfig, MTPCDrafter
+from mtpkit.models.drafter import StockAR
+from mtpkit.models.heads import field_docs
 from mtpkit.models.packed_linear import LINEARS, pack_linears
-from mtpkit.models.pld import PLDConfig, PLDDrafter
-from mtpkit.models.probe import ProbeConfig, ProbeDrafter
-
-
-@dataclasses.dataclass
-class HFPLDConfig:
-    num: int = 10
-    """prompt_lookup_num_tokens"""
-    ngram: int = 2
-    """max_matching_ngram_size"""
-
-
-@dataclasses.dataclass
-class NoOptions:
-    pass
-
-
-class StockAR(Drafter):
-    """AR on an unpacked copy of the target (torch's own kernels): the reference that shows
-    whether the packed kernels made plain decoding itself faster or slower."""
-
-    def adapt(self, model, shared: dict):
-        if "ar_stock" not in shared:
-            shared["ar_stock"] = copy.deepcopy(model)
-        return shared["ar_stock"], None
-
-
-# name -> (config class, builder of a drafter or of an HF generate call)
-METHODS = {
-    "ar": (NoOptions, lambda cfg: Drafter()),
-    "ar_stock": (NoOptions, lambda cfg: StockAR()),
-    "pld": (PLDConfig, PLDDrafter),
-    "probe": (ProbeConfig, ProbeDrafter),
-    "gated_lora": (GatedLoRADraftConfig, GatedLoRADrafter),
-    "mtpc": (MTPCDraftConfig, MTPCDrafter),
-    "hf_ar": (NoOptions, None),
-    "hf_pld": (HFPLDConfig, None),
-}
+from mtpkit.models.registry import METHODS
 
 
 class MethodError(ValueError):
@@ -104,7 +50,7 @@ def parse_method(spec: str):
     name, _, opts = spec.partition(":")
     if name not in METHODS:
         raise MethodError(f"unknown method {name!r} in --methods {spec!r}; known: {', '.join(METHODS)}")
-    cls = METHODS[name][0]
+    cls = METHODS[name].options
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values = {}
     for item in filter(None, opts.split(",")):
@@ -120,8 +66,21 @@ def parse_method(spec: str):
     return name, cls(**values)
 
 
+def methods_help() -> str:
+    """Every method of the registry with its options, defaults and their docstrings."""
+    lines = ["methods:"]
+    for method in METHODS.values():
+        lines.append(f"  {method.name:<12} {method.summary}")
+        docs = field_docs(method.options)
+        for f in dataclasses.fields(method.options):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"      {f.name}={default!r}: {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, epilog=methods_help(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backbone", default=DEFAULT_BACKBONE,
                    help="target model: a known name, local HF folder or Hub id (default: %(default)s)")
     p.add_argument("--data", nargs="+", default=["builtin"],
@@ -194,11 +153,9 @@ def load_prompts(sources: list[str], limit: int | None, per_category: int | None
 
 def run_hf(model, tokenizer, name, cfg, ids, args, eos) -> dict:
     kwargs = dict(max_new_tokens=args.max_new_tokens, eos_token_id=sorted(eos), pad_token_id=tokenizer.pad_token_id,
-                  do_sample=args.temperature > 0)
+                  do_sample=args.temperature > 0, **METHODS[name].generate_kwargs(cfg))
     if args.temperature > 0:
         kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=0)
-    if name == "hf_pld":
-        kwargs.update(prompt_lookup_num_tokens=cfg.num, max_matching_ngram_size=cfg.ngram)
     started = time.perf_counter()
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **kwargs)
@@ -215,9 +172,9 @@ def main(argv=None) -> dict:
         sys.exit(f"bench: {e}")
     drafters, adapted, shared = {}, {}, {}
     for spec, (name, cfg) in zip(args.methods, args.parsed):
-        if METHODS[name][1] is not None:
+        if METHODS[name].drafter is not None:
             try:
-                drafters[spec] = METHODS[name][1](cfg)
+                drafters[spec] = METHODS[name].drafter(cfg)
                 adapted[spec] = drafters[spec].adapt(model, shared)
             except (ValueError, FileNotFoundError) as e:
                 sys.exit(f"bench: --methods {spec}: {e}")
@@ -242,7 +199,7 @@ def main(argv=None) -> dict:
         for m in order:
             spec, (name, cfg) = args.methods[m], args.parsed[m]
             generator = torch.Generator().manual_seed(args.seed + i)
-            if METHODS[name][1] is None:
+            if METHODS[name].drafter is None:
                 run = run_hf(model, tokenizer, name, cfg, prompt["ids"], args, eos)
             else:
                 res = decode(targets[spec], drafters[spec], prompt["ids"], args.max_new_tokens, args.temperature,

@@ -19,7 +19,7 @@ import time
 import torch
 
 from mtpkit.data.chat import load_examples, prompt_ids
-from mtpkit.eval.generate import generate
+from mtpkit.models.generate import generate
 from mtpkit.models.backbone import DEFAULT_BACKBONE, load_backbone
 
 

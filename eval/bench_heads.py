@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from mtpkit.models.circuit_cirkit import CirkitCircuit
-from mtpkit.models.circuits import ARCHS, CircuitParams, log_prob, num_inner, prefix_log_probs, sample
+from mtpkit.models.mtpc.circuit_cirkit import CirkitCircuit
+from mtpkit.models.mtpc.circuits import ARCHS, CircuitParams, log_prob, num_inner, prefix_log_probs, sample
 
 
 def parse_args(argv=None):

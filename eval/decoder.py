@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from mtpkit.eval.generate import target_probs
+from mtpkit.models.generate import target_probs
 from mtpkit.eval.verify import attention_inputs, children_of, verify_greedy, verify_sampling
 from mtpkit.models.drafter import Drafter, StepOutput
 from mtpkit.models.packed_linear import PackedLinear

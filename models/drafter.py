@@ -16,6 +16,7 @@ every parent index is smaller than its child's.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -116,3 +117,15 @@ class Drafter:
 
     def observe(self, step: StepOutput) -> None:
         """Read the outputs of the step just verified."""
+
+
+class StockAR(Drafter):
+    """AR on an unpacked copy of the target (torch's own kernels): the reference that shows
+    whether packed kernels (`mtpkit.models.packed_linear`) made plain decoding faster or slower."""
+
+    name = "ar_stock"
+
+    def adapt(self, model, shared: dict):
+        if "ar_stock" not in shared:
+            shared["ar_stock"] = copy.deepcopy(model)
+        return shared["ar_stock"], None

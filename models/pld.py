@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpkit.models.drafter import Draft, Drafter
+from mtpkit.models.heads import Method
 
 
 @dataclass
@@ -47,3 +48,7 @@ class PLDDrafter(Drafter):
     def propose(self, tokens: list[int]) -> Draft:
         c = self.config
         return Draft.chain(lookup(torch.tensor(tokens), c.ngram_max, c.ngram_min, c.draft_len))
+
+
+METHOD = Method(name="pld", summary="prompt lookup decoding: draft what followed the latest earlier n-gram match",
+                options=PLDConfig, drafter=PLDDrafter)

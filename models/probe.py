@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpkit.models.drafter import Draft, Drafter, StepOutput
+from mtpkit.models.heads import Method
 
 INITS = ("mean", "hard", "sample")
 
@@ -146,3 +147,7 @@ class ProbeDrafter(Drafter):
         self.dists = torch.softmax(step.logits(self.mask_rows[step.last_node]), dim=-1)  # [k, V]
         for token in step.new_tokens:  # Eq. 4, once per generated token
             self.masks += self.config.lam * (self.table[token] - self.masks)
+
+
+METHOD = Method(name="probe", summary="training-free mask-token probing (dynamic draft tree under a block-complexity "
+                                      "budget)", options=ProbeConfig, drafter=ProbeDrafter)

@@ -9,33 +9,17 @@ line. The resolved config is what gets saved next to every checkpoint.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
-import textwrap
 import typing
 from pathlib import Path
 
 import yaml
 
+from mtpkit.models.heads import field_docs
+
 
 class ConfigError(ValueError):
     pass
-
-
-def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings (the string literal right after `name: type = default`)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
-        return {}
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
 
 
 def _flag_fields(cls, prefix=()):

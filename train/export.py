@@ -8,10 +8,10 @@ The folder holds the head's weights in safetensors (gated LoRA: the peft adapter
 `adapter_config.json` + `adapter_model.safetensors`, and `mtp_head.safetensors` with the mask
 embeddings and sampler), `mtpkit_config.json` (method, k, base model, settings, training
 steps) and a model card `README.md` with the measured tau table (from --results, a
-results.json of eval/bench.py). Load it with `mtpkit.models.gated_lora.load_head(folder, base)`
-or benchmark it with `eval/bench.py --methods gated_lora:head=FOLDER`. MTPC heads
-(train/mtpc.py) export `head.safetensors` (circuit head + draft-layer LoRA) and the config;
-load them with `mtpkit.models.mtpc.load_head(folder, backbone)`.
+results.json of eval/bench.py). Which files make a head, how it loads and what its card says
+come from the method's entry in `mtpkit.models.registry.METHODS` (the `method` of the head's
+mtpkit_config.json): gated LoRA loads with `mtpkit.models.gated_lora.load_head(folder, base)`,
+MTPC (`head.safetensors`: circuit head + draft-layer LoRA) with `mtpkit.models.mtpc.load_head`.
 --push-to-hub uploads the folder with huggingface_hub (token from HF_TOKEN or the login
 cache); without network it says so and keeps the folder.
 """
@@ -24,13 +24,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from mtpkit.models.gated_lora import HEAD_CONFIG
+from mtpkit.models.heads import HEAD_CONFIG, read_head_config
+from mtpkit.models.registry import trained_method
 from mtpkit.train.checkpoints import latest_checkpoint
-
-HEAD_FILES = {  # method -> files of its head folder
-    "gated_lora": ["adapter_config.json", "adapter_model.safetensors", "mtp_head.safetensors", HEAD_CONFIG],
-    "mtpc": ["head.safetensors", HEAD_CONFIG],
-}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,32 +50,14 @@ def find_head(path: Path) -> Path:
     return ckpt / "head" if (ckpt / "head" / HEAD_CONFIG).is_file() else ckpt
 
 
-def _describe(config: dict) -> tuple[str, str, dict, str]:
-    """(title, paragraph, settings, loader) of a head's model card, by method."""
-    base = config["base_model"]
-    if config["method"] == "mtpc":
-        settings = {k: config[k] for k in ("arch", "n", "r", "lora_layers", "lora_rank", "lora_alpha") if k in config}
-        return (f"MTPC {config['arch']} circuit head (n = {config['n']}, r = {config['r']}) for {base}",
-                "Trained with mtpkit `train/mtpc.py` (MTPC, \"Fast and Expressive Multi-Byte Prediction with "
-                "Probabilistic Circuits\"): a probabilistic circuit over the next n bytes parameterised by the "
-                "backbone's hidden state, optionally on a LoRA copy of its last layers. Decoding is lossless: "
-                "every byte is verified by the base model.", settings,
-                "from mtpkit.models.mtpc import load_head\nhead = load_head('path/to/this/folder', model)")
-    return (f"Gated-LoRA mask-token MTP head (k = {config['k']}) for {base}",
-            "Trained with [mtpkit](https://github.com/) `train/gated_lora.py` (Samragh et al., \"Your LLM Knows "
-            "the Future\"): k mask tokens, LoRA gated on only at mask positions (the base model's next-token "
-            "outputs are unchanged, bit for bit), a sampler MLP, base + sampler cross-entropy and the "
-            "latent-consistency loss. Decoding is lossless: every token is verified by the base model.",
-            config["gated_lora"], "from mtpkit.models.gated_lora import load_head\nmtp = load_head('path/to/this/folder', model)")
-
-
 def model_card(config: dict, results: dict | None, trainer: dict, train_config: str) -> str:
     from mtpkit.eval.report import markdown_table
 
     base = config["base_model"]
-    title, about, settings, loader = _describe(config)
+    card = trained_method(config["method"]).card(config)
+    title, about, settings = card.title, card.about, card.settings
     lines = ["---", f"base_model: {base}" if "/" in base else f"# base model: {base}",
-             "library_name: peft" if config["method"] == "gated_lora" else "library_name: mtpkit",
+             f"library_name: {card.library}",
              f"tags: [mtpkit, speculative-decoding, multi-token-prediction, {config['method'].replace('_', '-')}]",
              "---", "", f"# {title}", "", about, "", "## Settings", "", "```json", json.dumps(settings, indent=1),
              "```", ""]
@@ -95,10 +73,9 @@ def model_card(config: dict, results: dict | None, trainer: dict, train_config: 
     else:
         lines += ["No benchmark attached (export with --results results.json to add the tau table).", ""]
     lines += ["## Use", "", "```python", "from mtpkit.models.backbone import load_backbone",
-              f"model, tokenizer = load_backbone({base!r})", loader, "```", ""]
-    if config["method"] == "gated_lora":
-        lines += ["```bash", "python eval/bench.py --methods ar gated_lora:head=path/to/this/folder,decoding=quadratic",
-                  "```", ""]
+              f"model, tokenizer = load_backbone({base!r})", card.usage, "```", ""]
+    if card.bench:
+        lines += ["```bash", f"python eval/bench.py --backbone {base} --methods ar {card.bench}", "```", ""]
     if train_config:
         lines += ["## Training config", "", "```yaml", train_config.strip(), "```", ""]
     return "\n".join(lines)
@@ -123,16 +100,17 @@ def main(argv=None) -> Path:
         head = find_head(Path(args.checkpoint))
     except FileNotFoundError as e:
         sys.exit(f"export: {e}")
-    config = json.loads((head / HEAD_CONFIG).read_text())
-    method = config.get("method")
-    if method not in HEAD_FILES:
-        sys.exit(f"export: {head / HEAD_CONFIG}: unknown method {method!r}; known: {', '.join(HEAD_FILES)}")
-    missing = [f for f in HEAD_FILES[method] if not (head / f).is_file()]
+    try:
+        config = read_head_config(head)
+        files = [*trained_method(config["method"]).head_files, HEAD_CONFIG]
+    except ValueError as e:
+        sys.exit(f"export: {head / HEAD_CONFIG}: {e}")
+    missing = [f for f in files if not (head / f).is_file()]
     if missing:
         sys.exit(f"export: {head} lacks {missing}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in HEAD_FILES[method]:
+    for name in files:
         shutil.copyfile(head / name, out / name)
     ckpt = head if (head / "trainer_state.json").is_file() else head.parent  # mtpc keeps the head in checkpoint-N/
     trainer_file = ckpt / "trainer_state.json"

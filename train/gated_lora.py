@@ -36,7 +36,7 @@ from mtpkit.data.mtp import collate_mask_inputs, mask_inputs
 from mtpkit.eval.decoder import Target, decode
 from mtpkit.eval.report import write_training_plot
 from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
-from mtpkit.models.gated_drafter import DECODINGS, GatedLoRADraftConfig, GatedLoRADrafter
+from mtpkit.models.gated_lora.drafter import DECODINGS, GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP, save_head
 from mtpkit.train.checkpoints import micro_batch, prune_checkpoints, resume_folder, supersede_metrics
 from mtpkit.train.config import ConfigError, add_config_args, resolve, to_yaml

@@ -48,13 +48,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from mtpkit.data.chat import IGNORE, DataError, load_examples, tokenize_chat
 from mtpkit.models.backbone import load_backbone
-from mtpkit.models.circuits import mode, next_log_probs
+from mtpkit.models.mtpc.circuits import mode, next_log_probs
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel, window_loss, window_targets
+from mtpkit.models.registry import METHODS
 from mtpkit.train.checkpoints import micro_batch, prune_checkpoints, resume_folder, supersede_metrics
 from mtpkit.train.config import ConfigError, add_config_args, resolve, to_yaml
 
@@ -238,15 +239,6 @@ def teacher_forced_acceptance(model: MTPCModel, held: list[dict], pad_id: int, l
     return matched / max(windows, 1)
 
 
-def save_head(model: MTPCModel, cfg: TrainConfig, folder: Path, extra: dict | None = None) -> None:
-    """The loadable head: head.safetensors (head + draft LoRA) and mtpkit_config.json."""
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in model.trainable_state_dict().items()},
-              str(folder / "head.safetensors"))
-    (folder / "mtpkit_config.json").write_text(json.dumps(
-        {"method": "mtpc", "base_model": cfg.backbone, **dataclasses.asdict(cfg.model), **(extra or {})}, indent=2))
-
-
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -365,7 +357,7 @@ def main(argv=None) -> dict:
         if step % cfg.save_every == 0 or step == cfg.max_steps:
             if main_process:
                 ckpt = out / f"checkpoint-{step}"
-                save_head(model, cfg, ckpt)
+                METHODS["mtpc"].save_head(model, ckpt, cfg.backbone)
                 torch.save(optimizer.state_dict(), ckpt / "optimizer.pt")
                 (ckpt / "config.yaml").write_text(to_yaml(cfg, command))
                 (ckpt / "trainer_state.json").write_text(json.dumps(

@@ -86,7 +86,7 @@ def test_script_runs_as_documented(tmp_path):
 
 def test_every_assistant_turn_is_regenerated_on_the_targets_own_history(tmp_path, tiny):
     from mtpkit.data.chat import generation_prompt_ids
-    from mtpkit.eval.generate import generate
+    from mtpkit.models.generate import generate
 
     model, tokenizer = tiny
     conv = {"id": "c1", "conversations": [

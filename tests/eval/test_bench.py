@@ -106,13 +106,12 @@ def test_bench_runs_mtpc_heads(tmp_path):
     import torch
 
     from mtpkit.models.backbone import load_backbone
-    from mtpkit.models.mtpc import MTPCConfig, MTPCModel
-    from mtpkit.train.mtpc import TrainConfig, save_head
+    from mtpkit.models.mtpc import MTPCConfig, MTPCModel, save_head
 
     base, _ = load_backbone("tiny-byte-llama-random")
-    cfg = TrainConfig(backbone="tiny-byte-llama-random", model=MTPCConfig(arch="btree", n=4, r=3, lora_layers=1))
+    cfg = MTPCConfig(arch="btree", n=4, r=3, lora_layers=1)
     torch.manual_seed(0)
-    save_head(MTPCModel(base, cfg.model), cfg, tmp_path / "head")
+    save_head(MTPCModel(base, cfg), tmp_path / "head", "tiny-byte-llama-random")
     out = tmp_path / "r" / "results.json"
     specs = [f"mtpc:head={tmp_path / 'head'}", f"mtpc:head={tmp_path / 'head'},cycle=bonus"]
     bench.main(["--backbone", "tiny-byte-llama-random", "--data", "builtin:eval", "--per-category", "1",

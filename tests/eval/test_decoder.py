@@ -12,7 +12,7 @@ import mtpkit.eval.decoder as decoder_module
 from chisquare import chi2_pvalue
 from mtpkit.data.chat import load_examples, prompt_ids
 from mtpkit.eval.decoder import Target, decode, rollback_cache
-from mtpkit.eval.generate import generate, target_probs
+from mtpkit.models.generate import generate, target_probs
 from mtpkit.eval.verify import attention_inputs
 from mtpkit.models.drafter import Draft, Drafter
 from mtpkit.models.pld import PLDConfig, PLDDrafter

@@ -7,7 +7,7 @@ import torch
 
 from mtpkit.eval.decoder import Target, decode
 from mtpkit.models.drafter import Drafter
-from mtpkit.models.gated_drafter import GatedLoRADraftConfig, GatedLoRADrafter
+from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
 from tests.models.test_gated_lora import make_gated
 
 CONFIGS = [(d, s, k) for d in ("linear", "quadratic") for s in (False, True) for k in (0, 1, 2)]

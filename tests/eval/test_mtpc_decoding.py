@@ -10,10 +10,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from chisquare import chi2_pvalue
 from mtpkit.eval.decoder import Target, decode
-from mtpkit.eval.generate import target_probs
+from mtpkit.models.generate import target_probs
 from mtpkit.models.drafter import Drafter
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel
-from mtpkit.models.mtpc_drafter import MTPCDraftConfig, MTPCDrafter
+from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
 
 CONFIGS = [(arch, L) for arch in ("ff", "cp", "hmm", "btree") for L in (0, 1)]
 
@@ -147,8 +147,8 @@ def test_speculative_sampling_with_a_circuit_draft_is_exact(small, monkeypatch, 
     if verify == "path":
         def no_marginal(*args, **kwargs):
             raise AssertionError("verify=path computed a prefix marginal")
-        monkeypatch.setattr("mtpkit.models.mtpc.LazyBTree.conditional", no_marginal)
-        monkeypatch.setattr("mtpkit.models.mtpc_drafter.next_log_probs_posterior", no_marginal)
+        monkeypatch.setattr("mtpkit.models.mtpc.decode.LazyBTree.conditional", no_marginal)
+        monkeypatch.setattr("mtpkit.models.mtpc.drafter.next_log_probs_posterior", no_marginal)
     drafter = MTPCDrafter(MTPCDraftConfig(seed=1, cycle=cycle, units=units, verify=verify), model=head)
     counts = two_token_counts(target, drafter, 800)
     assert chi2_pvalue(counts, exact_two_token_joint(small)) > 1e-3

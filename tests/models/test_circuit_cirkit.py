@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from mtpkit.models.circuit_cirkit import CirkitCircuit
-from mtpkit.models.circuits import ARCHS, log_prob, prefix_log_probs
+from mtpkit.models.mtpc.circuit_cirkit import CirkitCircuit
+from mtpkit.models.mtpc.circuits import ARCHS, log_prob, prefix_log_probs
 
 from test_circuits import all_windows, brute_joint, random_params, tv_of_samples
 

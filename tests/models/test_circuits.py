@@ -1,6 +1,6 @@
 """The native circuit queries against brute-force enumeration over all V^n windows.
 
-The reference below is written independently of models/circuits.py: plain Python recursion
+The reference below is written independently of models/mtpc/circuits.py: plain Python recursion
 over the latent variables of each structure, one window at a time.
 """
 
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from mtpkit.models.circuits import (ARCHS, CircuitParams, greedy_chain, log_prob, mode, next_log_probs,
+from mtpkit.models.mtpc.circuits import (ARCHS, CircuitParams, greedy_chain, log_prob, mode, next_log_probs,
                                     next_log_probs_posterior, num_inner, prefix_log_probs, sample)
 
 V, N, R = 3, 4, 2

@@ -10,8 +10,8 @@ from cirkit.symbolic.layers import CategoricalLayer, HadamardLayer, SumLayer
 from cirkit.utils.scope import Scope
 
 from chisquare import chi2_pvalue
-from mtpkit.models.circuits import greedy_chain, log_prob, mode, next_log_probs, prefix_log_probs, sample
-from mtpkit.models.cirkit_head import CirkitHead, build_circuit
+from mtpkit.models.mtpc.circuits import greedy_chain, log_prob, mode, next_log_probs, prefix_log_probs, sample
+from mtpkit.models.mtpc.cirkit_head import CirkitHead, build_circuit
 from mtpkit.models.mtpc import window_loss
 
 V, D, N = 5, 6, 4
@@ -117,8 +117,8 @@ def test_cirkit_head_refuses_circuits_that_are_not_heads(case):
 
 
 def test_circuit_names():
-    assert isinstance(build_circuit("mtpkit.models.cirkit_head:linear_tree", N, 2, V), Circuit)
+    assert isinstance(build_circuit("mtpkit.models.mtpc.cirkit_head:linear_tree", N, 2, V), Circuit)
     with pytest.raises(ValueError, match="--circuit 'nope'"):
         build_circuit("nope", N, 2, V)
     with pytest.raises(ValueError, match="cannot import"):
-        build_circuit("mtpkit.models.cirkit_head:missing", N, 2, V)
+        build_circuit("mtpkit.models.mtpc.cirkit_head:missing", N, 2, V)

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from mtpkit.models.circuits import (CircuitParams, _logmatvec, log_prob, next_log_probs, next_log_probs_posterior,
+from mtpkit.models.mtpc.circuits import (CircuitParams, _logmatvec, log_prob, next_log_probs, next_log_probs_posterior,
                                     sample, sample_states, sample_tokens)
-from mtpkit.models.mtpc import Int8Rows, LazyBTree, MTPCConfig, MTPCHead, _np_softmax, window_loss, window_targets
+from mtpkit.models.mtpc.decode import Int8Rows, LazyBTree, _np_softmax, decode_window, weight_as
+from mtpkit.models.mtpc.model import MTPCConfig, MTPCHead, window_loss, window_targets
 
 V, D = 11, 8
 
@@ -123,7 +124,7 @@ def test_lazy_decode_units_equal_the_full_head(arch):
         evidence = observed = None
         if m:
             evidence, observed = windows(1, n, seed=5), torch.arange(n)[None] < m
-        params, units = head.decode(h)
+        params, units = decode_window(head, h)
         units.upto(m)
         g_lazy, g_full = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
         states = sample_states(params, g_lazy, evidence, observed)
@@ -138,7 +139,7 @@ def test_lazy_decode_units_equal_the_full_head(arch):
         assert units.ready == n
         torch.testing.assert_close(units.log_phi, full.log_phi, rtol=1e-10, atol=1e-10)
     if arch != "btree":  # a shorter window is the marginal of its first positions
-        params, units = head.decode(h, n=3)
+        params, units = decode_window(head, h, n=3)
         units.upto(3)
         x = windows(4, 3)
         inner = None if full.inner is None else full.inner[:, :2]
@@ -212,7 +213,7 @@ def test_int8_rows_quantize_rows_and_keep_their_scales_through_indexing(K):
     products (torch's kernel at K = 64, the dequantizing fallback at row lengths the kernel
     reads past: it gave garbage at K = 8 and 24) equal the dequantized weights' (bfloat16
     rounding aside), also on indexed and `index_select`-gathered blocks."""
-    from mtpkit.models.mtpc import _blocks_matvec, _matvec
+    from mtpkit.models.mtpc.decode import _blocks_matvec, _matvec
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3, 4, 5, K, generator=g) * torch.rand(3, 4, 5, 1, generator=g)  # rows of unequal range
@@ -235,9 +236,9 @@ def test_decode_copies_of_several_precisions_coexist():
     """Drafters of several precisions may share one head (a bench): each precision is converted
     once, not again every time the other one is used; a weight update converts again."""
     head = trained_looking("btree", 4, 3, seed=1).float()
-    first = {dtype: head.weight_as("unembed", dtype) for dtype in (torch.bfloat16, torch.int8)}
+    first = {dtype: weight_as(head, "unembed", dtype) for dtype in (torch.bfloat16, torch.int8)}
     for dtype in (torch.bfloat16, torch.int8, torch.bfloat16):
-        assert head.weight_as("unembed", dtype) is first[dtype]
+        assert weight_as(head, "unembed", dtype) is first[dtype]
     with torch.no_grad():
         head.unembed.add_(1.0)
-    assert head.weight_as("unembed", torch.int8) is not first[torch.int8]
+    assert weight_as(head, "unembed", torch.int8) is not first[torch.int8]

@@ -10,7 +10,7 @@ from torch import nn
 
 from mtpkit.eval.decoder import Target, decode
 from mtpkit.models.drafter import Drafter
-from mtpkit.models.gated_drafter import GatedLoRADraftConfig, GatedLoRADrafter
+from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.gated_lora import GatedLoRALinear, load_head, save_head, to_inference
 from mtpkit.models.packed_linear import ONE_ROW_PACKED, PackedLinear, SiblingGroup, fuse_siblings, onednn_available, pack_linears
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter

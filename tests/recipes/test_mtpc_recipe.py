@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mtpkit.models.backbone import load_backbone
-from mtpkit.models.circuits import log_prob
+from mtpkit.models.mtpc.circuits import log_prob
 from mtpkit.models.mtpc import load_head, window_targets
 from mtpkit.train import byte_lm, export, mtpc
 
@@ -145,7 +145,7 @@ def test_a_cirkit_circuit_head_trains_exports_and_decodes(data, tmp_path):
     export and decoder (greedy output equal to AR)."""
     from mtpkit.eval.decoder import Target, decode
     from mtpkit.models.drafter import Drafter
-    from mtpkit.models.mtpc_drafter import MTPCDraftConfig, MTPCDrafter
+    from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
 
     result = mtpc.main([*TINY, "--data", str(data), "--output-dir", str(tmp_path / "run"), "--arch", "cirkit",
                         "--circuit", "linear-tree", "-n", "4", "--max-steps", "2", "--eval-every", "2"])

@@ -1,6 +1,6 @@
 """Any smooth, decomposable cirkit circuit as an MTPC head (`--arch cirkit --circuit NAME`).
 
-The four MTPC structures have native code (models/circuits.py). Any other circuit a user builds
+The four MTPC structures have native code (models/mtpc/circuits.py). Any other circuit a user builds
 with libcirkit can be a head too: `CirkitHead(symbolic, lm_head_weight)` takes a symbolic
 circuit over the window's n variables whose input layers are categoricals over the byte
 vocabulary V and whose inner layers are sums and products (Hadamard or Kronecker), and gives it
@@ -13,7 +13,7 @@ per-example parameters from the backbone's hidden state, as the native heads do:
   unit's inputs, P drawn small.
 
 The circuit is rebuilt with placeholder parameters and compiled once with the batched layer
-rules of models/circuit_cirkit.py; each query attaches the per-example tensors to the compiled
+rules of models/mtpc/circuit_cirkit.py; each query attaches the per-example tensors to the compiled
 folds (parameters live per compiled fold, so no routing is needed). Queries go through cirkit:
 the circuit itself (log-likelihood) and `IntegrateQuery` (marginals, all prefix marginals,
 one position's conditional over V). Sampling and greedy drafts run position by position on
@@ -36,7 +36,7 @@ from cirkit.symbolic.circuit import Circuit
 from cirkit.symbolic.layers import CategoricalLayer, HadamardLayer, KroneckerLayer, SumLayer
 from cirkit.symbolic.parameters import ConstantParameter, Parameter
 
-from mtpkit.models.circuit_cirkit import TorchBatchedCategoricalLayer, TorchBatchedSumLayer, pipeline_context
+from mtpkit.models.mtpc.circuit_cirkit import TorchBatchedCategoricalLayer, TorchBatchedSumLayer, pipeline_context
 
 
 def _categorical(V: int):
@@ -152,7 +152,7 @@ class CirkitHead(nn.Module):
 
 
 class CirkitParams:
-    """The per-example circuits of a batch, with the queries of models/circuits.py as methods
+    """The per-example circuits of a batch, with the queries of models/mtpc/circuits.py as methods
     (the functions there hand every non-native circuit to these)."""
 
     arch = "cirkit"

@@ -1,4 +1,5 @@
-"""Gated-LoRA mask-token MTP (seed 002, Samragh et al., "Your LLM Knows the Future").
+"""Gated-LoRA mask-token MTP, the training model ("Your LLM Knows the Future: Uncovering Its
+Multi-Token Prediction Potential", Samragh et al., arXiv:2507.11851).
 
 - k mask tokens with their own trainable input embeddings (random init, Sec. 2), fed through
   the backbone where token embeddings would go.
@@ -25,9 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtpkit.data.chat import IGNORE
-from mtpkit.models.packed_linear import PackedLinear, pack_rows, packed_forward
 
+IGNORE = -100  # label of positions without a loss: torch's ignore_index, as in mtpkit.data.chat
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -113,73 +113,6 @@ def add_gate_hooks(peft_model, gate: Gate) -> int:
     if count == 0:
         raise ValueError("gated LoRA: no LoRA layer found to gate (check target_modules)")
     return count
-
-
-class GatedLoRALinear(nn.Module):
-    """Inference form of one gated LoRA linear (decoding only, never trained):
-
-        y = W x;   y[gated rows] += x[gated rows] A^T (alpha / r) B^T
-
-    Same weights as peft's layer (the scaling folded into B^T, so gated rows agree to rounding),
-    3 tensor ops where peft takes ~12 plus two hooks: on a CPU a 30-layer model has 210 of these
-    per forward, so the difference is measurable. Decoding gates a contiguous suffix of a
-    batch-1 forward, added in place with one addmm. Ungated rows are W x exactly, as in the
-    training form."""
-
-    def __init__(self, base: nn.Linear, A: torch.Tensor, B: torch.Tensor, scaling: float, gate: Gate):
-        super().__init__()
-        self.base, self.gate = base, gate
-        self.register_buffer("At", A.detach().t().contiguous())  # [in, r]
-        self.register_buffer("Bt", (B.detach().t() * scaling).contiguous())  # [r, out]
-        self.fused, self.fused_bias, self.fused_version = None, None, -1
-        self.siblings = None  # set by `packed_linear.fuse_siblings`: q/k/v, gate/up as one product
-
-    def _stacked(self, x: torch.Tensor) -> torch.Tensor:
-        """[W; A] x in one oneDNN product when the base is packed (`pack_linears`): the A rows
-        ride along (r of out + r outputs) instead of costing a small product of their own, and
-        stacking leaves W's outputs bit-identical (tested)."""
-        W, b = self.base.weight, self.base.bias
-        if self.fused is None or self.fused_version != W._version:
-            self.fused = pack_rows(torch.cat([W.detach(), self.At.t()]))
-            self.fused_bias = None if b is None else torch.cat([b.detach(), self.At.new_zeros(self.At.shape[1])])
-            self.fused_version = W._version
-        return packed_forward(x, self.fused, self.fused_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.siblings is not None and self.siblings.usable(x):
-            return self.siblings(x, self)
-        span = self.gate.span
-        fast = span is not None and x.dim() == 3 and x.shape[0] == 1 and not torch.is_grad_enabled()
-        if fast and isinstance(self.base, PackedLinear) and self.base.usable(x):
-            s, e = span
-            both = self._stacked(x)
-            out = self.base.out_features
-            both[0, s:e, :out].addmm_(both[0, s:e, out:], self.Bt)
-            return both[..., :out]  # a strided view: copying it out cost 2-10% of a gated step here
-        y = self.base(x)
-        if fast:
-            s, e = span
-            y[0, s:e].addmm_(x[0, s:e] @ self.At, self.Bt)
-        elif self.gate.rows is not None and self.gate.rows.numel():
-            y = y + self.gate.scatter(self.gate.select(x) @ self.At @ self.Bt, x)
-        return y
-
-
-def to_inference(model: "GatedMTP") -> "GatedMTP":
-    """Swap every peft LoRA layer of `model` for a `GatedLoRALinear` (in place; decoding only:
-    the model can no longer be trained or saved as a peft adapter)."""
-    from peft.tuners.lora import LoraLayer
-
-    swaps = [(name, module) for name, module in model.peft.get_base_model().named_modules()
-             if isinstance(module, LoraLayer)]
-    root = model.peft.get_base_model()
-    for name, module in swaps:
-        parent_name, _, child = name.rpartition(".")
-        adapter = module.active_adapters[0]
-        lean = GatedLoRALinear(module.base_layer, module.lora_A[adapter].weight, module.lora_B[adapter].weight,
-                               module.scaling[adapter], model.gate)
-        setattr(root.get_submodule(parent_name) if parent_name else root, child, lean)
-    return model.eval()
 
 
 class SamplerMLP(nn.Module):
@@ -317,61 +250,3 @@ class GatedMTP(nn.Module):
 
 def _mean(x: torch.Tensor) -> torch.Tensor:
     return x.detach().mean() if x.numel() else torch.tensor(float("nan"), device=x.device)
-
-
-# ---- the head folder: peft adapter + mask embeddings/sampler + config ----
-HEAD_CONFIG = "mtpkit_config.json"
-HEAD_WEIGHTS = "mtp_head.safetensors"
-
-
-def save_head(model: GatedMTP, out_dir, base_model: str, extra: dict | None = None,
-              state_dict: dict | None = None) -> None:
-    """Write `out_dir`: adapter_config.json + adapter_model.safetensors (peft), mtp_head.safetensors
-    (mask embeddings, sampler) and mtpkit_config.json (method, k, base model, LoRA settings).
-    `state_dict`: the full GatedMTP state dict when the module's own tensors are sharded (ZeRO-3)."""
-    import dataclasses
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = state_dict if state_dict is not None else model.state_dict()
-    model.peft.save_pretrained(str(out), state_dict={k.removeprefix("peft."): v for k, v in state.items()
-                                                     if k.startswith("peft.")})
-    head = {k: v.detach().contiguous() for k, v in state.items() if k == "mask_embeds" or k.startswith("sampler.")}
-    save_file(head, str(out / HEAD_WEIGHTS))
-    config = {"method": "gated_lora", "base_model": base_model, "k": model.config.k,
-              "gated_lora": dataclasses.asdict(model.config), **(extra or {})}
-    (out / HEAD_CONFIG).write_text(json.dumps(config, indent=1))
-
-
-def read_head_config(head_dir) -> dict:
-    import json
-    from pathlib import Path
-
-    path = Path(head_dir) / HEAD_CONFIG
-    if not path.is_file():
-        raise FileNotFoundError(f"{head_dir}: no {HEAD_CONFIG}; expected a folder written by train/export.py "
-                                "or a checkpoint's head/ folder")
-    config = json.loads(path.read_text())
-    if config.get("method") != "gated_lora":
-        raise ValueError(f"{path}: method is {config.get('method')!r}, not 'gated_lora'")
-    return config
-
-
-def load_head(head_dir, base_model) -> GatedMTP:
-    """The GatedMTP of a head folder on `base_model` (modified in place: peft injects its layers)."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    config = read_head_config(head_dir)
-    model = GatedMTP(base_model, GatedLoRAConfig(**config["gated_lora"]), adapter=str(head_dir))
-    head = load_file(str(Path(head_dir) / HEAD_WEIGHTS))
-    with torch.no_grad():
-        model.mask_embeds.copy_(head.pop("mask_embeds"))
-        if model.sampler is not None:
-            model.sampler.load_state_dict({n.removeprefix("sampler."): t for n, t in head.items()})
-    return model

@@ -10,7 +10,7 @@ fold without relying on cirkit's internal fold order (HMM inputs, for instance, 
 reverse position order).
 
 `CirkitCircuit(arch, n, r, V)` takes the same `CircuitParams` as the native code in
-models/circuits.py (same layouts, BTree inner nodes bottom-up) and answers `log_prob`,
+models/mtpc/circuits.py (same layouts, BTree inner nodes bottom-up) and answers `log_prob`,
 `log_marginal` and `prefix_log_probs` through cirkit's compiled circuit and `IntegrateQuery`,
 and `sample` through `SamplingQuery`. It exists to prove the native code right and to let any
 other smooth, decomposable cirkit structure be used as a head; the native code is what
@@ -37,7 +37,7 @@ from cirkit.symbolic.layers import CategoricalLayer, HadamardLayer, SumLayer
 from cirkit.symbolic.parameters import ConstantParameter, Parameter
 from cirkit.utils.scope import Scope
 
-from mtpkit.models.circuits import ARCHS, CircuitParams, num_inner
+from mtpkit.models.mtpc.circuits import ARCHS, CircuitParams, num_inner
 
 
 class TorchBatchedCategoricalLayer(TorchCategoricalLayer):

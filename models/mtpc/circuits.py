@@ -10,7 +10,7 @@ by its input units and its sum-unit weights (`CircuitParams`):
 - `inner` [B, L, r, r] (HMM, BTree): the inner sum layers' weights `W[o, i]` (row o is the
   distribution over the inputs of output unit o; rows sum to 1).
 
-Semantics, written as the circuits cirkit builds (`models/circuit_cirkit.py` builds the same
+Semantics, written as the circuits cirkit builds (`models/mtpc/circuit_cirkit.py` builds the same
 four as symbolic circuits, and the tests check that both agree):
 
 - FF:    q(x) = prod_i phi_i(x_i)
@@ -142,7 +142,7 @@ def upward(params: CircuitParams, leaves: torch.Tensor) -> torch.Tensor:
 
 def log_prob(params: CircuitParams, x: torch.Tensor, observed: torch.Tensor | None = None) -> torch.Tensor:
     """log q(x_observed) [B] for windows x [B, n] (unobserved positions summed out)."""
-    if not isinstance(params, CircuitParams):  # a plugged-in cirkit circuit (models/cirkit_head.py)
+    if not isinstance(params, CircuitParams):  # a plugged-in cirkit circuit (models/mtpc/cirkit_head.py)
         return params.log_prob(x, observed)
     return upward(params, leaf_values(params, x, observed))
 

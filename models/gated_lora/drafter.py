@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from mtpkit.models.drafter import Draft, Drafter, StepOutput
-from mtpkit.models.gated_lora import GatedMTP, load_head, to_inference
+from mtpkit.models.gated_lora.head import load_head
+from mtpkit.models.gated_lora.inference import to_inference
+from mtpkit.models.gated_lora.model import GatedMTP
 
 DECODINGS = ("linear", "quadratic")
 

@@ -49,10 +49,12 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from mtpkit.models.circuits import (CircuitParams, greedy_chain, mode, next_log_probs_posterior, sample,
+from mtpkit.models.mtpc.circuits import (CircuitParams, greedy_chain, mode, next_log_probs_posterior, sample,
                                     sample_states, sample_tokens)
 from mtpkit.models.drafter import Draft, Drafter, StepOutput
-from mtpkit.models.mtpc import LazyBTree, MTPCModel, load_head
+from mtpkit.models.mtpc.decode import LazyBTree, decode_window
+from mtpkit.models.mtpc.head import load_head
+from mtpkit.models.mtpc.model import MTPCModel
 
 CYCLES = ("alg2", "bonus")
 VERIFY = ("marginal", "path")
@@ -186,7 +188,7 @@ class MTPCDrafter(Drafter):
         if self.model.cfg.arch == "btree":
             tree = LazyBTree(head, self.e, dtype)
             return tree.sample(self.gen, self.given, n), tree.drawn_conditional if path else tree.conditional
-        params, units = head.decode(self.e, span, dtype)
+        params, units = decode_window(head, self.e, span, dtype)
         if units is None:  # a plugged-in cirkit circuit: conditional by conditional
             window = sample(params, self.gen, evidence, observed)[0]
         else:

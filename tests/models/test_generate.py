@@ -1,7 +1,7 @@
 import torch
 
 from mtpkit.data.chat import load_examples, prompt_ids
-from mtpkit.eval.generate import generate, target_probs
+from mtpkit.models.generate import generate, target_probs
 
 
 def _hf_greedy(model, tokenizer, ids, max_new_tokens):
