@@ -1,9 +1,10 @@
 """Typed configs for the training scripts: dataclass -> YAML + command-line overrides.
 
-Each field's attribute docstring becomes its `--help` text; a nested dataclass field (the
-model's config) is read from a YAML mapping of the same name and its fields are flags too
-(`--k 4` sets `model.k`). Precedence: dataclass defaults < YAML < flags given on the command
-line. The resolved config is what gets saved next to every checkpoint.
+Each field's attribute docstring (its own class's, or the base class's for an inherited field)
+becomes its `--help` text; a nested dataclass field (the model's config) is read from a YAML
+mapping of the same name and its fields are flags too (`--k 4` sets `model.k`). Precedence:
+dataclass defaults < YAML < flags given on the command line. The resolved config is what gets
+saved next to every checkpoint.
 """
 
 from __future__ import annotations
@@ -53,12 +54,21 @@ def add_config_args(parser: argparse.ArgumentParser, cls) -> None:
         if name in seen:
             raise ConfigError(f"{cls.__name__}: field {name!r} appears twice ({seen[name]} and {path})")
         seen[name] = path
-        doc = field_docs(owner).get(name, "")
+        doc = _docs(owner).get(name, "")
         default = _get(cls(), path)
         parser.add_argument("--" + name.replace("_", "-"), dest="cfg__" + "__".join(path), default=None,
                             metavar=getattr(kind, "__name__", "VALUE").upper() if kind is not bool else "0|1",
                             type=_wrap_type(_parser_for(kind), name),
                             help=f"{doc} (default: {default!r})".replace("%", "%%"))
+
+
+def _docs(cls) -> dict[str, str]:
+    """Attribute docstrings of `cls` and of the dataclasses it extends (a subclass's own text wins)."""
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(field_docs(klass))
+    return docs
 
 
 def _wrap_type(fn, name):

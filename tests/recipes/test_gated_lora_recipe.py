@@ -1,5 +1,5 @@
 """The real train/gated_lora.py on a tiny model: accelerate (1 and 2 CPU processes), DeepSpeed
-ZeRO-2 on CPU, exact resume, export round trip, bad input."""
+ZeRO-2 on CPU, exact resume (also from the earlier checkpoint layout), export round trip, bad input."""
 
 import copy
 import json
@@ -103,11 +103,18 @@ def test_deepspeed_zero2_two_processes_and_resume(data, tmp_path):
     assert [r["step"] for r in steps(out / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
-def test_resume_gives_the_same_losses(data, tmp_path):
+@pytest.mark.parametrize("layout", ["current", "earlier"])
+def test_resume_gives_the_same_losses(data, tmp_path, layout):
+    """4 steps straight == 2 steps + resume to 4. `earlier`: the checkpoint as the earlier layout
+    wrote it, with the LR scheduler pickled in state/ (custom_checkpoint_0.pkl): it still resumes."""
     common = [*TINY, "--data", str(data), "--eval-every", "0", "--save-every", "2", "--grad-accum", "2",
               "--warmup-steps", "3"]
     gated_lora.main([*common, "--output-dir", str(tmp_path / "a"), "--max-steps", "4"])
     gated_lora.main([*common, "--output-dir", str(tmp_path / "b"), "--max-steps", "2"])
+    assert not (tmp_path / "b" / "checkpoint-2" / "state" / "custom_checkpoint_0.pkl").exists()
+    if layout == "earlier":
+        torch.save({"last_epoch": 2, "base_lrs": [5e-4]}, tmp_path / "b" / "checkpoint-2" / "state" /
+                   "custom_checkpoint_0.pkl")
     gated_lora.main([*common, "--output-dir", str(tmp_path / "b"), "--max-steps", "4", "--resume", "auto"])
     a, b = steps(tmp_path / "a" / "metrics.jsonl"), steps(tmp_path / "b" / "metrics.jsonl")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
@@ -163,15 +170,3 @@ def test_config_errors_name_the_file_and_key(tmp_path):
     assert cfg.model.k == 2 and cfg.max_steps == 600 and cfg.lr == 5e-4
     paper = gated_lora.parse_args(["--config", str(ROOT / "configs/gated_lora/tulu3-8b_k8.yaml")])
     assert (paper.model.k, paper.model.rank, paper.lr, paper.warmup_steps, paper.max_steps) == (8, 128, 2e-4, 5000, 50000)
-
-
-def test_lr_schedule_warms_up_stays_flat_then_decays():
-    flat = gated_lora.parse_args(["--max-steps", "10", "--warmup-steps", "2"])
-    assert [gated_lora.lr_factor(flat, s) for s in range(10)] == [0.5] + [1.0] * 9
-    wsd = gated_lora.parse_args(["--max-steps", "10", "--warmup-steps", "2", "--decay-steps", "4",
-                                 "--min-lr-ratio", "0.2"])
-    factors = [gated_lora.lr_factor(wsd, s) for s in range(10)]
-    assert factors[:6] == [0.5] + [1.0] * 5
-    assert factors[6:] == pytest.approx([0.8, 0.6, 0.4, 0.2])
-    with pytest.raises(SystemExit):
-        gated_lora.parse_args(["--max-steps", "10", "--decay-steps", "11"])
