@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from mtpkit.models.gated_lora.model import Gate, GatedMTP
-from mtpkit.models.packed_linear import PackedLinear, pack_rows, packed_forward
 
 
 class GatedLoRALinear(nn.Module):
@@ -22,40 +21,28 @@ class GatedLoRALinear(nn.Module):
     3 tensor ops where peft takes ~12 plus two hooks: on a CPU a 30-layer model has 210 of these
     per forward, so the difference is measurable. Decoding gates a contiguous suffix of a
     batch-1 forward, added in place with one addmm. Ungated rows are W x exactly, as in the
-    training form."""
+    training form.
+
+    Over a packed base (`pack_linears`) it is computed by a `PackedGroup`: alone, one product on
+    [W; A]; fused with its siblings, one product for all of them."""
 
     def __init__(self, base: nn.Linear, A: torch.Tensor, B: torch.Tensor, scaling: float, gate: Gate):
         super().__init__()
         self.base, self.gate = base, gate
         self.register_buffer("At", A.detach().t().contiguous())  # [in, r]
         self.register_buffer("Bt", (B.detach().t() * scaling).contiguous())  # [r, out]
-        self.fused, self.fused_bias, self.fused_version = None, None, -1
-        self.siblings = None  # set by `packed_linear.fuse_siblings`: q/k/v, gate/up as one product
-
-    def _stacked(self, x: torch.Tensor) -> torch.Tensor:
-        """[W; A] x in one oneDNN product when the base is packed (`pack_linears`): the A rows
-        ride along (r of out + r outputs) instead of costing a small product of their own, and
-        stacking leaves W's outputs bit-identical (tested)."""
-        W, b = self.base.weight, self.base.bias
-        if self.fused is None or self.fused_version != W._version:
-            self.fused = pack_rows(torch.cat([W.detach(), self.At.t()]))
-            self.fused_bias = None if b is None else torch.cat([b.detach(), self.At.new_zeros(self.At.shape[1])])
-            self.fused_version = W._version
-        return packed_forward(x, self.fused, self.fused_bias)
+        self.group = self.siblings = None  # set by `PackedGroup` once the base is packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.siblings is not None and self.siblings.usable(x):
-            return self.siblings(x, self)
-        span = self.gate.span
-        fast = span is not None and x.dim() == 3 and x.shape[0] == 1 and not torch.is_grad_enabled()
-        if fast and isinstance(self.base, PackedLinear) and self.base.usable(x):
-            s, e = span
-            both = self._stacked(x)
-            out = self.base.out_features
-            both[0, s:e, :out].addmm_(both[0, s:e, out:], self.Bt)
-            return both[..., :out]  # a strided view: copying it out cost 2-10% of a gated step here
+        if self.group is None:
+            return self.unpacked(x)
+        return self.group(x, self)
+
+    def unpacked(self, x: torch.Tensor) -> torch.Tensor:
+        """W x from the base, and the gated rows' delta as products of their own."""
         y = self.base(x)
-        if fast:
+        span = self.gate.span
+        if span is not None and x.dim() == 3 and x.shape[0] == 1 and not torch.is_grad_enabled():
             s, e = span
             y[0, s:e].addmm_(x[0, s:e] @ self.At, self.Bt)
         elif self.gate.rows is not None and self.gate.rows.numel():

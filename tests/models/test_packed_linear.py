@@ -12,17 +12,17 @@ from mtpkit.eval.decoder import Target, decode
 from mtpkit.models.drafter import Drafter
 from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.gated_lora import GatedLoRALinear, load_head, save_head, to_inference
-from mtpkit.models.packed_linear import ONE_ROW_PACKED, PackedLinear, SiblingGroup, fuse_siblings, onednn_available, pack_linears
+from mtpkit.models.packed_linear import ONE_ROW_PACKED, PackedGroup, PackedLinear, fuse_siblings, onednn_available, pack_linears
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
 from tests.models.test_gated_lora import make_gated
 
 
 
 def test_rows_do_not_depend_on_how_many_are_computed():
-    """Row invariance is oneDNN's, and depends on the CPU and the inner dimension: on session 10's
-    AMD EPYC it held at in_features 384 (the byte LM's width) for every pack hint from 2 up, but
-    not at 1280 or 4096 for any hint (rows then differ in the last bits with the row count, as
-    torch's own kernels do; this test used 4096 until then). Checked here at 384."""
+    """Row invariance is oneDNN's, and depends on the CPU and the inner dimension: on an AMD EPYC
+    it holds at in_features 384 (the byte LM's width) for every pack hint from 2 up, but not at
+    1280 or 4096 for any hint (rows then differ in the last bits with the row count, as torch's
+    own kernels do). Checked here at 384."""
     assert onednn_available()  # the torch pinned in the Makefile ships oneDNN
     torch.manual_seed(0)
     big = nn.Linear(384, ONE_ROW_PACKED // 384 + 1)  # one row of it goes through oneDNN too
@@ -75,7 +75,7 @@ def test_fused_siblings_give_the_unfused_packed_outputs(tiny):
     pack_linears(unfused, "onednn", min_numel=0, fuse=False)
     layers = model.config.num_hidden_layers
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    assert isinstance(attn.q_proj.siblings, SiblingGroup) and attn.q_proj.siblings is attn.v_proj.siblings
+    assert isinstance(attn.q_proj.siblings, PackedGroup) and attn.q_proj.siblings is attn.v_proj.siblings
     assert mlp.gate_proj.siblings is mlp.up_proj.siblings and mlp.down_proj.siblings is None
     assert fuse_siblings(model) == 2 * layers  # idempotent: the same groups again
     calls = []
@@ -88,7 +88,7 @@ def test_fused_siblings_give_the_unfused_packed_outputs(tiny):
     assert torch.equal(got, unfused(ids).logits)  # several rows: oneDNN, the same bits
     one = torch.arange(5, 6)[None]
     assert torch.allclose(model(one).logits, unfused(one).logits, atol=1e-5)  # one row: F.linear on the stack
-    with torch.enable_grad():  # training: each member's own forward, as before
+    with torch.enable_grad():  # training: each member's own unpacked forward
         assert torch.allclose(model(ids).logits, tiny[0](ids).logits, atol=1e-4)
     attn.k_proj.weight.mul_(2.0)  # an in-place weight change is repacked
     unfused.model.layers[0].self_attn.k_proj.weight.mul_(2.0)
