@@ -1,4 +1,5 @@
-"""Mask-token training inputs (seed 002, Sec. 2.1 and Figure 4).
+"""Mask-token training inputs ("Your LLM Knows the Future", Samragh et al., arXiv:2507.11851,
+Sec. 2.1 and Figure 4).
 
 A sequence of n tokens with next-token labels becomes n NTP slots plus, after every token
 that carries a loss, a block of k mask slots:

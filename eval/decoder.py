@@ -24,10 +24,10 @@ from mtpkit.eval.verify import attention_inputs, children_of, verify_greedy, ver
 from mtpkit.models.drafter import Drafter, StepOutput
 from mtpkit.models.packed_linear import PackedLinear
 
-# on a packed LM head, steps of up to this many rows get their logits in one call. SmolLM2's
-# 49152 x 576 head measured 11.6 ms for 1 row, 16.3 for 9, 24.1 for 16, 30.1 for 20: reading
-# the weight dominates, so one call over 16 rows beats the ~3 one-row calls of a lazy greedy
-# step (quadratic k=2, 9 rows: 152 against 174 ms a step, `eval/bench.py --prefetch-rows`)
+# on a packed LM head, steps of up to this many rows get their logits in one call. Reading the
+# weight dominates a large LM head's cost (SmolLM2's is 49152 x 576), so one call over up to 16
+# rows costs less than the ~3 one-row calls of a lazy greedy step (`eval/bench.py --prefetch-rows`
+# compares the two)
 PREFETCH_ROWS = 16
 
 

@@ -102,7 +102,10 @@ def write_markdown(results: dict, path: Path) -> str:
     return text
 
 
-def markdown_table(results: dict) -> str:
+def markdown_table(results: dict, per_cycle: bool = True) -> str:
+    """The bench's tables: totals per method, the per-cycle (MTPC paper) metrics unless
+    `per_cycle` is false, and tau / speed-up per category. It reads only summary keys, so it also
+    formats the summaries that eval/tables.py keeps in docs/results/*.json."""
     stock = any("speedup_vs_stock_ar" in r for r in results["methods"].values())
     lines = ["| method | tau | tokens/s | speed-up vs AR | " + ("vs stock AR | " if stock else "")
              + "speed-up / tau | step ms | target ms/call | decoder overhead | matches AR |",
@@ -113,18 +116,19 @@ def markdown_table(results: dict) -> str:
                      + f"{_fmt(r.get('speedup_over_tau'))} | {_fmt(r.get('mean_step_ms'), 1)} | "
                      f"{_fmt(r.get('target_ms_per_call'), 1)} | {_fmt(r.get('decoder_overhead_share'), 3)} | "
                      f"{_match(r)} |")
-    lines += ["", "Per cycle (MTPC paper metrics: mu_lat = seconds per target call, mu_acc = accepted draft "
-              "tokens per call, max = tokens/s if every drafted token were accepted):", "",
-              "| method | mu_lat (s) | mu_acc | tokens/s | max tokens/s | speed-up vs AR |", "|---|---|---|---|---|---|"]
-    for spec, r in results["methods"].items():
-        if r.get("mu_lat") is not None:
-            lines.append(f"| {spec} | {r['mu_lat']:.4f} | {r['mu_acc']:.2f} | {r['tokens_per_s']:.1f} | "
-                         f"{r['max_tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} |")
+    if per_cycle:
+        lines += ["", "Per cycle (MTPC paper metrics: mu_lat = seconds per target call, mu_acc = accepted draft "
+                  "tokens per call, max = tokens/s if every drafted token were accepted):", "",
+                  "| method | mu_lat (s) | mu_acc | tokens/s | max tokens/s | speed-up vs AR |", "|---|---|---|---|---|---|"]
+        for spec, r in results["methods"].items():
+            if r.get("mu_lat") is not None:
+                lines.append(f"| {spec} | {r['mu_lat']:.4f} | {r['mu_acc']:.2f} | {r['tokens_per_s']:.1f} | "
+                             f"{r['max_tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} |")
     lines += ["", "Per category (tau / speed-up vs AR):", "",
               "| method | " + " | ".join(results["categories"]) + " |",
               "|---|" + "---|" * len(results["categories"])]
     for spec, r in results["methods"].items():
-        cells = [f"{_fmt(c['tau'])} / {_fmt(c['speedup_vs_ar'])}" for c in r["per_category"].values()]
+        cells = [f"{_fmt(c['tau'])} / {_fmt(c['speedup_vs_ar'])}" for c in (r["per_category"][name] for name in results["categories"])]
         lines.append(f"| {spec} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

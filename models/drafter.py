@@ -103,7 +103,7 @@ class Drafter:
     def drop_bonus(self, accepted: int, proposed: int) -> bool:
         """Whether the verifier discards this step's bonus token, the newest kept token then being
         the next root (fed again, so its state comes with the next forward). Standard speculative
-        decoding always keeps it; MTPC's Algorithm 2 (seed 003) drops it when the drafter needs
+        decoding always keeps it; MTPC's Algorithm 2 drops it when the drafter needs
         the state of the newest token (see `MTPCDrafter.drop_bonus`). Dropping is exact only where
         the bonus was drawn from the plain target distribution, never a rejection residual."""
         return False

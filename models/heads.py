@@ -85,6 +85,8 @@ class Method:
     """dataclass of the bench options (`name:key=value,...`)"""
     drafter: Callable | None = None
     """options -> a `Drafter`; None for a baseline that is not a drafter (transformers' generate)"""
+    config: type | None = None
+    """dataclass of a trained head's settings (its trainer's `model:` section, saved in mtpkit_config.json)"""
     head_files: tuple[str, ...] = ()
     """files of an exported head folder (besides mtpkit_config.json); () = no trained head"""
     save_head: Callable | None = None

@@ -1,4 +1,5 @@
-"""Training-free mask-token probing (ESP; seeds 000/001, Goel et al.).
+"""Training-free mask-token probing (ESP: "Efficient Training-Free Multi-Token Prediction via
+Embedding-Space Probing", Goel et al., arXiv:2603.17942).
 
 Mask tokens synthesised in the target's embedding space are attached after the root and
 after every draft node of each verifier step; the masks after the deepest accepted node

@@ -24,7 +24,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from mtpkit.models.heads import HEAD_CONFIG, read_head_config
+from mtpkit.models.heads import HEAD_CONFIG, head_folder, read_head_config
 from mtpkit.models.registry import trained_method
 from mtpkit.train.checkpoints import latest_checkpoint
 
@@ -40,14 +40,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def find_head(path: Path) -> Path:
-    if (path / "head" / HEAD_CONFIG).is_file():
-        return path / "head"
-    if (path / HEAD_CONFIG).is_file():
-        return path
+    """The head folder of a head folder, a checkpoint-N/ or a run's output dir (newest checkpoint)."""
+    if (head_folder(path) / HEAD_CONFIG).is_file():
+        return head_folder(path)
     ckpt = latest_checkpoint(path)
     if ckpt is None:
         raise FileNotFoundError(f"--checkpoint {path}: no head/ folder and no checkpoint-N/ inside")
-    return ckpt / "head" if (ckpt / "head" / HEAD_CONFIG).is_file() else ckpt
+    return head_folder(ckpt)
 
 
 def model_card(config: dict, results: dict | None, trainer: dict, train_config: str) -> str:
@@ -112,7 +111,8 @@ def main(argv=None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for name in files:
         shutil.copyfile(head / name, out / name)
-    ckpt = head if (head / "trainer_state.json").is_file() else head.parent  # mtpc keeps the head in checkpoint-N/
+    # checkpoint-N/head/, or a checkpoint-N/ that holds the head files itself
+    ckpt = head if (head / "trainer_state.json").is_file() else head.parent
     trainer_file = ckpt / "trainer_state.json"
     trainer = json.loads(trainer_file.read_text()) if trainer_file.is_file() else {}
     if trainer:

@@ -13,7 +13,7 @@ METHOD = Method(
     name="gated_lora",
     summary="trained gated-LoRA mask tokens (train/gated_lora.py)",
     options=GatedLoRADraftConfig, drafter=GatedLoRADrafter,
-    head_files=HEAD_FILES, save_head=save_head, load_head=load_head, card=model_card)
+    config=GatedLoRAConfig, head_files=HEAD_FILES, save_head=save_head, load_head=load_head, card=model_card)
 
 __all__ = ["DECODINGS", "GatedLoRADraftConfig", "GatedLoRADrafter", "HEAD_FILES", "HEAD_WEIGHTS", "load_head",
            "model_card", "save_head", "GatedLoRALinear", "to_inference", "LLAMA_LINEARS", "Gate", "GatedLoRAConfig",

@@ -1,4 +1,4 @@
-"""The gated-LoRA drafter: linear and quadratic decoding (seed 002, Sec. 2.4).
+"""The gated-LoRA drafter: linear and quadratic decoding (Samragh et al., Sec. 2.4).
 
 Each verifier step feeds [root, speculated tokens..., mask blocks...]; the masks carry the
 gated LoRA (the decoder switches the gate on for extra nodes only), so the root and the

@@ -13,7 +13,7 @@ METHOD = Method(
     name="mtpc",
     summary="MTPC circuit heads over a byte-level target (train/mtpc.py), Algorithm 2",
     options=MTPCDraftConfig, drafter=MTPCDrafter,
-    head_files=HEAD_FILES, save_head=save_head, load_head=load_head, card=model_card)
+    config=MTPCConfig, head_files=HEAD_FILES, save_head=save_head, load_head=load_head, card=model_card)
 
 __all__ = ["MTPCDraftConfig", "MTPCDrafter", "HEAD_FILES", "HEAD_WEIGHTS", "load_head", "model_card", "save_head",
            "MTPCConfig", "MTPCHead", "MTPCModel", "window_loss", "window_targets", "METHOD"]

@@ -1,4 +1,4 @@
-"""Native tensor code for the four MTPC circuit structures (seed 003, Sec. 3.2, App. B).
+"""Native tensor code for the four MTPC circuit structures (arXiv:2511.11346, Sec. 3.2, App. B).
 
 A circuit over a window of `n` tokens with vocabulary `V` and rank `r` is given, per example,
 by its input units and its sum-unit weights (`CircuitParams`):

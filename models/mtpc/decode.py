@@ -93,9 +93,9 @@ class LazyBTree:
 
     The products (unembeddings, projections) are torch's; everything after them works on vectors
     of r and runs in numpy, whose small ops cost about a microsecond against several for a torch
-    op's dispatch. That halves the aten calls of a cycle (977 -> 492) but saves only 3-5% of its
-    time at n = 16, r = 32, V = 260, d = 384 in int8 on this CPU: after a backbone forward the
-    ~16 MB of weights a cycle reads come from memory, and those reads are most of its ~3.5 ms."""
+    op's dispatch. That halves the aten calls of a cycle but saves only a few percent of its
+    time on a CPU: after a backbone forward the weights a cycle reads (~16 MB at n = 16, r = 32,
+    V = 260, d = 384 in int8) come from memory, and those reads are most of the cycle."""
 
     def __init__(self, head: MTPCHead, hidden: torch.Tensor, units_dtype: torch.dtype | None = None):
         if head.cfg.arch != "btree":

@@ -1,4 +1,4 @@
-"""The MTPC drafter: self-speculative decoding with a circuit head (seed 003, App. D).
+"""The MTPC drafter: self-speculative decoding with a circuit head (arXiv:2511.11346, App. D).
 
 Algorithm 2 (shared-state self-speculative decoding) on the shared decoder: every cycle is ONE
 target forward over [root, drafted bytes]. With L LoRA draft layers the forward also returns
@@ -83,8 +83,8 @@ class MTPCDraftConfig:
     circuit's prefix-marginal conditional: Algorithm 3) | path (the input unit the draft's latent
     path selected at i, the distribution the byte was drawn from given that path: exact as well,
     since the path is the drafter's own randomness, and cheaper, as no verified position needs
-    all r units; but the mixture's averaging is lost, so fewer bytes are accepted: 0.74 against
-    1.28 for BTree in the README's session-10 runs). Same for FF (one unit)"""
+    all r units; but the mixture's averaging is lost, so fewer bytes are accepted, see
+    docs/mtpc.md). Same for FF (one unit)"""
 
 
 class LazyConditionals:

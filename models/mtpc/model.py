@@ -1,4 +1,4 @@
-"""MTPC heads (seed 003, Sec. 3.3): circuit parameters from the backbone's hidden state.
+"""MTPC heads (arXiv:2511.11346, Sec. 3.3): circuit parameters from the backbone's hidden state.
 
 `MTPCHead(cfg, lm_head_weight)` maps e_t [.., d] to `CircuitParams` of the window
 x_{t+1..t+n}:

@@ -49,7 +49,7 @@ class OracleMTPC(MTPCDrafter):
         with torch.no_grad():
             full = self.model.features(torch.tensor([tokens]))[0, -1 - len(self.given)]  # newest byte with a state
         # incremental == recomputed, up to the rounding of another summation order (values up to
-        # ~2.7 here; differences up to 1.5e-4 seen on an AMD EPYC's kernels, 1e-4 held elsewhere)
+        # ~2.7 here; CPU kernels differ by up to ~1.5e-4 between the two orders)
         torch.testing.assert_close(self.e, full, atol=1e-3, rtol=1e-3)
         self.checked += 1
         done = len(tokens) - self.start

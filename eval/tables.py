@@ -1,0 +1,170 @@
+"""The results tables of README.md and docs/*.md, rebuilt from results files so they cannot drift.
+
+    python eval/tables.py collect demo runs/demo/bench/results.json --command "python eval/bench.py ..."
+    python eval/tables.py render            # rewrite every table block from docs/results/*.json
+    python eval/tables.py render --check    # exit 1, naming the stale blocks, if anything would change
+
+`collect NAME RESULTS_JSON --command CMD` keeps, from one eval/bench.py results.json, the bench's
+`config` and each method's summary metrics (tau, tokens/s, speed-up vs AR and vs stock AR,
+matches_ar, target ms per call, accepted tokens per depth, mu_lat / mu_acc, and tau / speed-up per
+category), with the command that produced it and the date, in docs/results/NAME.json. Per-prompt
+token ids, outputs and prompt ids are left out (some prompt sets may not be redistributed).
+
+`render` replaces the inside of every block
+
+    <!-- table:NAME -->
+    ...
+    <!-- /table:NAME -->
+
+in README.md and docs/*.md with docs/results/NAME.json's tables (formatted by
+mtpkit.eval.report.markdown_table, the same formatter as the bench's results.md), the command
+that measured them and the collect command. A block whose NAME has no results file is an error.
+Files are written atomically (a temporary file, then a rename).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from mtpkit.eval.report import markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = Path("docs") / "results"
+# the summary metrics kept per method and per category (everything eval/report.py aggregates
+# except per-prompt data)
+METRICS = ("prompts", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_ar", "speedup_vs_stock_ar", "tau",
+           "target_calls", "accept_counts", "speedup_over_tau", "mean_step_ms", "target_ms_per_call",
+           "decoder_overhead_share", "mean_forward_tokens", "mean_draft_nodes", "mu_lat", "mu_acc",
+           "max_tokens_per_s", "matches_ar", "mismatches", "near_tie_mismatches")
+BLOCK = re.compile(r"<!-- table:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /table:(?P=name) -->", re.DOTALL)
+OPENING = re.compile(r"<!-- table:([\w.-]+) -->")
+
+
+class TableError(ValueError):
+    pass
+
+
+def summary(results: dict) -> dict:
+    """results.json of eval/bench.py -> its config and summary metrics only."""
+    methods = {}
+    for spec, r in results["methods"].items():
+        entry = {k: r[k] for k in METRICS if k in r}
+        entry["per_category"] = {cat: {k: c[k] for k in METRICS if k in c} for cat, c in r["per_category"].items()}
+        methods[spec] = entry
+    return {"config": results.get("config", {}), "categories": results["categories"], "methods": methods}
+
+
+def collect(name: str, results_path: Path, command: str, root: Path = ROOT, date: str | None = None) -> Path:
+    results = json.loads(Path(results_path).read_text())
+    out = {"name": name, "command": command, "results": str(results_path),
+           "date": date or datetime.date.today().isoformat(), **summary(results)}
+    path = root / RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(out, indent=1) + "\n")
+    return path
+
+
+def table_text(table: dict) -> str:
+    """The inside of a table block: the tables, then how to measure them again."""
+    sampling = table["config"].get("temperature", 0) > 0
+    collect_cmd = (f"python eval/tables.py collect {table['name']} {shlex.quote(table['results'])} "
+                   f"--command {shlex.quote(table['command'])}")
+    return (markdown_table(table, per_cycle=sampling)
+            + f"\nMeasured on {table['date']} with:\n\n```bash\n{table['command']}\n```\n\n"
+            + f"Rebuild this table from that run's results:\n\n```bash\n{collect_cmd}\npython eval/tables.py render\n```\n")
+
+
+def documents(root: Path) -> list[Path]:
+    return [p for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))] if p.is_file()]
+
+
+def rendered(path: Path, root: Path) -> tuple[str, list[str]]:
+    """The file's text with every block rebuilt, and the names of its blocks."""
+    text = path.read_text()
+    opened = OPENING.findall(text)
+    names = [m.group("name") for m in BLOCK.finditer(text)]
+    if sorted(opened) != sorted(names):
+        unclosed = sorted(set(opened) - set(names)) or sorted(opened)
+        raise TableError(f"{path}: block <!-- table:{unclosed[0]} --> has no matching <!-- /table:{unclosed[0]} -->")
+
+    def rebuild(match: re.Match) -> str:
+        name = match.group("name")
+        source = root / RESULTS_DIR / f"{name}.json"
+        if not source.is_file():
+            raise TableError(f"{path}: table {name!r} has no results file {source}; make it with "
+                             f"`python eval/tables.py collect {name} RESULTS_JSON --command \"BENCH COMMAND\"`")
+        return f"<!-- table:{name} -->\n{table_text(json.loads(source.read_text()))}<!-- /table:{name} -->"
+
+    return BLOCK.sub(rebuild, text), names
+
+
+def render(root: Path = ROOT, check: bool = False) -> list[str]:
+    """Rebuild every block; returns the stale blocks as `file:NAME`. Every file is rebuilt before
+    any is written, so an error writes nothing; with check, nothing is written at all."""
+    stale, changed = [], {}
+    for path in documents(root):
+        new, names = rendered(path, root)
+        old = path.read_text()
+        if new == old:
+            continue
+        old_blocks = {m.group("name"): m.group(0) for m in BLOCK.finditer(old)}
+        new_blocks = {m.group("name"): m.group(0) for m in BLOCK.finditer(new)}
+        stale += [f"{path.relative_to(root)}:{n}" for n in names if old_blocks[n] != new_blocks[n]]
+        changed[path] = new
+    if not check:
+        for path, new in changed.items():
+            write_atomic(path, new)
+    return stale
+
+
+def write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o777)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this checkout)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("collect", help="keep a bench run's summary as docs/results/NAME.json")
+    c.add_argument("name", help="table name, as in <!-- table:NAME -->")
+    c.add_argument("results", type=Path, help="results.json written by eval/bench.py")
+    c.add_argument("--command", required=True, help="the exact eval/bench.py command that wrote it")
+    r = sub.add_parser("render", help="rewrite every table block of README.md and docs/*.md")
+    r.add_argument("--check", action="store_true", help="write nothing; exit 1 if any block is stale")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "collect":
+            if not re.fullmatch(r"[\w.-]+", args.name):
+                raise TableError(f"table name {args.name!r}: use letters, digits, '_', '-' or '.'")
+            print(f"[tables] wrote {collect(args.name, args.results, args.command, args.root)}")
+            return 0
+        stale = render(args.root, check=args.check)
+    except (TableError, FileNotFoundError, KeyError, json.JSONDecodeError) as e:
+        print(f"tables: {e}", file=sys.stderr)
+        return 2
+    if args.check and stale:
+        print("tables: stale table blocks (run `python eval/tables.py render`): " + ", ".join(stale), file=sys.stderr)
+        return 1
+    print(f"[tables] {'stale' if args.check else 'rewrote'}: {', '.join(stale) or 'nothing'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

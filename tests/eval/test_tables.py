@@ -1,0 +1,100 @@
+import json
+import re
+
+import pytest
+
+from mtpkit.eval import bench, tables
+
+BENCH_ARGS = ["--backbone", "tiny-llama-random", "--data", "builtin:eval", "--per-category", "1",
+              "--max-new-tokens", "8", "--methods", "ar", "pld"]
+
+
+@pytest.fixture(scope="module")
+def bench_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "results.json"
+    bench.main(BENCH_ARGS + ["--out", str(out)])
+    return out
+
+
+@pytest.fixture
+def repo(tmp_path, bench_results):
+    """A tiny checkout: a README and a docs page with table blocks, and the table's results file."""
+    command = "python eval/bench.py " + " ".join(BENCH_ARGS)
+    assert tables.main(["--root", str(tmp_path), "collect", "tiny", str(bench_results), "--command", command]) == 0
+    (tmp_path / "README.md").write_text("# title\n\n<!-- table:tiny -->\n<!-- /table:tiny -->\n\nafter\n")
+    (tmp_path / "docs" / "page.md").write_text("text\n<!-- table:tiny -->\nold\n<!-- /table:tiny -->\n")
+    return tmp_path
+
+
+def row(text: str, spec: str) -> list[str]:
+    line = next(line for line in text.splitlines() if line.startswith(f"| {spec} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_collect_keeps_the_summary_and_no_prompt_data(repo, bench_results):
+    kept = json.loads((repo / "docs" / "results" / "tiny.json").read_text())
+    results = json.loads(bench_results.read_text())
+    assert kept["command"].startswith("python eval/bench.py") and re.fullmatch(r"\d{4}-\d\d-\d\d", kept["date"])
+    assert kept["config"] == results["config"] and list(kept["methods"]) == list(results["methods"])
+    for spec, r in results["methods"].items():
+        for key in ("tau", "tokens_per_s", "speedup_vs_ar", "matches_ar", "target_ms_per_call", "accept_counts"):
+            assert kept["methods"][spec][key] == r[key]
+        assert kept["methods"][spec]["per_category"]["code"]["tau"] == r["per_category"]["code"]["tau"]
+    text = json.dumps(kept)
+    assert "outputs" not in text and "output_ids" not in text and "prompt_ids" not in text
+
+
+def test_render_writes_the_results_numbers_and_the_command(repo, bench_results):
+    assert tables.main(["--root", str(repo), "render"]) == 0
+    results = json.loads(bench_results.read_text())
+    for path in (repo / "README.md", repo / "docs" / "page.md"):
+        text = path.read_text()
+        for spec, r in results["methods"].items():
+            cells = row(text, spec)  # method | tau | tokens/s | speed-up vs AR | ...
+            assert cells[1] == f"{r['tau']:.2f}"
+            assert cells[2] == f"{r['tokens_per_s']:.1f}"
+            assert cells[3] == f"{r['speedup_vs_ar']:.2f}"
+            assert cells[-1] == ("yes" if r["matches_ar"] else cells[-1])
+        assert "python eval/bench.py " + " ".join(BENCH_ARGS) in text
+        assert "python eval/tables.py collect tiny" in text
+    readme = (repo / "README.md").read_text()
+    assert readme.startswith("# title\n\n<!-- table:tiny -->\n") and readme.endswith("<!-- /table:tiny -->\n\nafter\n")
+    assert "old" not in (repo / "docs" / "page.md").read_text()
+    assert tables.main(["--root", str(repo), "render", "--check"]) == 0  # rendering twice changes nothing
+
+
+def test_check_names_a_hand_edited_number(repo, bench_results, capsys):
+    tables.main(["--root", str(repo), "render"])
+    page = repo / "docs" / "page.md"
+    tau = f"{json.loads(bench_results.read_text())['methods']['pld']['tau']:.2f}"
+    edited = page.read_text().replace(f"| pld | {tau} |", "| pld | 9.99 |")
+    assert edited != page.read_text()
+    page.write_text(edited)
+    capsys.readouterr()
+    assert tables.main(["--root", str(repo), "render", "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "docs/page.md:tiny" in err and "README.md" not in err
+    assert page.read_text() == edited  # --check writes nothing
+    assert tables.main(["--root", str(repo), "render"]) == 0 and f"| pld | {tau} |" in page.read_text()
+
+
+def test_a_block_without_results_is_an_error_naming_it(repo, capsys):
+    (repo / "docs" / "other.md").write_text("<!-- table:nope -->\n<!-- /table:nope -->\n")
+    before = (repo / "README.md").read_text()
+    assert tables.main(["--root", str(repo), "render"]) == 2
+    err = capsys.readouterr().err
+    assert "'nope'" in err and "docs/results/nope.json" in err and "tables.py collect nope" in err
+    assert (repo / "README.md").read_text() == before  # an error writes nothing
+
+
+def test_an_unclosed_block_is_an_error(repo, capsys):
+    (repo / "docs" / "other.md").write_text("<!-- table:tiny -->\nno end\n")
+    assert tables.main(["--root", str(repo), "render", "--check"]) == 2
+    assert "no matching <!-- /table:tiny -->" in capsys.readouterr().err
+
+
+def test_the_repository_tables_are_in_sync_with_docs_results(capsys):
+    """README.md and docs/*.md show exactly what docs/results/*.json hold (run
+    `python eval/tables.py render` after `collect`)."""
+    code = tables.main(["render", "--check"])
+    assert code == 0, capsys.readouterr().err
