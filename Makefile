@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mtpkit-installed
 RUNS ?= runs
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean tables
 
 install: $(STAMP)
 
@@ -39,6 +39,11 @@ demo: $(STAMP)
 		--max-new-tokens 48 --out $(DEMO)/bench/results.json --methods ar pld probe:bc=10 \
 		gated_lora:head=$(DEMO)/export,decoding=linear gated_lora:head=$(DEMO)/export,decoding=quadratic
 	$(PY) train/export.py --checkpoint $(DEMO)/gated_lora --out $(DEMO)/export --results $(DEMO)/bench/results.json
+
+# The README's and docs/' results tables, rebuilt from docs/results/*.json (`eval/tables.py collect`
+# adds a bench run there); `make tables` is also what the sync test checks.
+tables: $(STAMP)
+	$(PY) eval/tables.py render
 
 # pytest exits 5 when it collected no test: an empty suite must fail, and say why.
 test: $(STAMP)

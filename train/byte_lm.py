@@ -184,13 +184,7 @@ def main(argv=None) -> dict:
         with accelerator.accumulate(model):
             logits = model(blocks[:, :-1]).logits
             loss = F.cross_entropy(logits.flatten(0, 1), blocks[:, 1:].flatten())
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            optimizer.step()
-            if accelerator.sync_gradients:
-                scheduler.step()
-            optimizer.zero_grad()
+            engine.backward_step(accelerator, loss, model.parameters(), optimizer, scheduler, cfg.max_grad_norm)
         micro += 1
         trained_seconds += time.perf_counter() - t0
         window.add(loss=loss)

@@ -6,7 +6,7 @@ Checkpoints are `mtpkit.train.checkpoints`, the learning-rate schedule `mtpkit.t
 
 A recipe reads: cfg = parse_config(...); accelerator = setup(cfg, ...); build the model and the
 optimizer; model, optimizer, scheduler, state = prepare(...); then its own loop (batch, forward
-and loss under `accelerator.accumulate`, backward, clip, step, schedule, zero_grad; log through
+and loss under `accelerator.accumulate`, then `backward_step`: backward, clip, step, schedule; log through
 `Window` and `MetricsWriter`; evaluate; `checkpoints.save_checkpoint`), and `finish`.
 """
 
@@ -162,6 +162,20 @@ def prepare(accelerator, cfg: TrainArgs, model: torch.nn.Module, optimizer,
     model, optimizer = accelerator.prepare(model, optimizer)
     state = {"step": 0, "micro_step": 0, **checkpoints.load_checkpoint(accelerator, cfg)}
     return model, optimizer, lr_scheduler(optimizer, cfg, state["step"], progress), state
+
+
+def backward_step(accelerator, loss: torch.Tensor, params, optimizer, scheduler, max_grad_norm: float) -> None:
+    """One micro-step's update, inside the recipe's `with accelerator.accumulate(model):` block:
+    backward; on the micro-step that completes an optimizer step (accelerate syncs the
+    gradients), clip `params` to `max_grad_norm` (0 = off) and step the scheduler. The optimizer
+    prepared by accelerate skips its own step and zero_grad until then."""
+    accelerator.backward(loss)
+    if accelerator.sync_gradients and max_grad_norm > 0:
+        accelerator.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    if accelerator.sync_gradients:
+        scheduler.step()
+    optimizer.zero_grad()
 
 
 def finish(accelerator) -> None:

@@ -161,13 +161,7 @@ def main(argv=None) -> dict:
         batch = {k: v.to(accelerator.device) for k, v in collate_mask_inputs(slots).items()}
         with accelerator.accumulate(model):
             losses = model(**batch)
-            accelerator.backward(losses["loss"])
-            if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(trainable, cfg.max_grad_norm)
-            optimizer.step()
-            if accelerator.sync_gradients:
-                scheduler.step()
-            optimizer.zero_grad()
+            engine.backward_step(accelerator, losses["loss"], trainable, optimizer, scheduler, cfg.max_grad_norm)
         micro += 1
         window.add(**losses)
         window.count(slots=sum(s["input_ids"].numel() for s in slots),  # NTP + mask positions

@@ -254,13 +254,7 @@ def main(argv=None) -> dict:
             nll, per_offset = window_loss(params, targets, valid, rows, ids.shape[0], cfg.gamma)
             kl = kl_loss(mtpc, params, targets, valid, ids, rows, cols) if cfg.kl_weight else nll.new_zeros(())
             loss = nll + cfg.kl_weight * kl
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(trainable, cfg.max_grad_norm)
-            optimizer.step()
-            if accelerator.sync_gradients:
-                scheduler.step()
-            optimizer.zero_grad()
+            engine.backward_step(accelerator, loss, trainable, optimizer, scheduler, cfg.max_grad_norm)
         micro += 1
         window.add(loss=loss, nll=nll, kl=kl, nll_per_offset=per_offset)
         window.count(bytes=(labels != IGNORE).sum())
