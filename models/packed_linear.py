@@ -1,10 +1,12 @@
 """Decoding-time linear layers on oneDNN's prepacked fp32 kernel (CPU).
 
-Why: speculative decoding feeds the target 2-16 tokens per step. On this project's CPUs
-(AMD EPYC, torch's MKL build) `F.linear` on 2-5 rows costs 2-3x one row, so verifying a few
-tokens eats the gain; oneDNN with a prepacked weight costs about the same for 1-5 rows, and
-on one row it is faster for a large weight (SmolLM2's 49152 x 576 LM head: 6 ms against 13 ms)
-but slower for a small one (its fixed cost per call is larger). So one row of a packed weight
+Why: speculative decoding feeds the target 2-16 tokens per step. On some CPUs (an AMD EPYC
+with torch's MKL build) `F.linear` on 2-5 rows costs 2-3x one row, so verifying a few tokens
+eats the gain; oneDNN with a prepacked weight costs about the same for 1-5 rows, and on one row
+it can be faster for a large weight (SmolLM2's 49152 x 576 LM head) but slower for a small one
+(its fixed cost per call is larger). Which kernel wins depends on the machine:
+`eval/bench_forward.py` measures both, and the bench's `ar_stock` shows whether packing made
+plain AR itself slower. One row of a packed weight
 below `ONE_ROW_PACKED` elements goes through torch's `F.linear`, everything else through
 oneDNN, and `pack_linears` leaves weights below `MIN_PACK` elements alone (per-call overhead
 dominates both kernels there). `eval/bench.py --linear auto` (the default) runs every method,
