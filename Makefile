@@ -36,7 +36,7 @@ demo: $(STAMP)
 		--save-every 80 --eval-every 40 --eval-prompts 2 --resume auto
 	$(PY) train/export.py --checkpoint $(DEMO)/gated_lora --out $(DEMO)/export
 	$(PY) eval/bench.py --backbone $(DEMO_BACKBONE) --data builtin:eval --per-category 2 \
-		--max-new-tokens 48 --out $(DEMO)/bench/results.json --methods ar pld probe:bc=10 \
+		--max-new-tokens 48 --rounds 3 --out $(DEMO)/bench/results.json --methods ar pld probe:bc=10 \
 		gated_lora:head=$(DEMO)/export,decoding=linear gated_lora:head=$(DEMO)/export,decoding=quadratic
 	$(PY) train/export.py --checkpoint $(DEMO)/gated_lora --out $(DEMO)/export --results $(DEMO)/bench/results.json
 

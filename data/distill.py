@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -24,9 +25,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mtpkit.data.chat import generation_prompt_ids, load_examples
+from mtpkit.data.chat import DataError, builtin_prompts_path, generation_prompt_ids, load_examples
 from mtpkit.models.generate import generate
-from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
+from mtpkit.models.backbone import DEFAULT_BACKBONE, DTYPES, BackboneError, eos_token_ids, load_backbone
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,14 +51,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per left-padded batch (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype (default: %(default)s)")
     p.add_argument("--show", type=int, default=0, help="print the first N records written (default: %(default)s)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code from the Hub/folder")
     args = p.parse_args(argv)
-    if args.batch_size < 1 or args.max_new_tokens < 1 or (args.max_turns is not None and args.max_turns < 1):
-        p.error("--batch-size, --max-new-tokens and --max-turns must be >= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        p.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    for flag, ok in (("--limit", args.limit is None or args.limit >= 1),
+                     ("--max-new-tokens", args.max_new_tokens >= 1),
+                     ("--max-prompt-tokens", args.max_prompt_tokens >= 1),
+                     ("--max-turns", args.max_turns is None or args.max_turns >= 1),
+                     ("--batch-size", args.batch_size >= 1)):
+        if not ok:
+            p.error(f"{flag} must be >= 1, got {getattr(args, flag[2:].replace('-', '_'))}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.show < 0:
+        p.error(f"--show must be >= 0, got {args.show}")
+    out = Path(args.out)
+    data = builtin_prompts_path() if args.data.startswith("builtin") else Path(args.data).expanduser()
+    if out.is_dir():
+        p.error(f"--out {out} is a folder; give the .jsonl file to write")
+    if out.exists() and data.exists() and os.path.samefile(out, data):
+        p.error(f"--out {out} is the --data file; write the records to another file")
     return args
 
 
@@ -175,7 +191,14 @@ def regenerate(model, tokenizer, conversations: list[list[dict]], args, eos_ids:
 
 
 def main(argv=None) -> dict:
-    return distill(parse_args(argv))
+    """A user's mistake (unreadable --data, unknown backbone, unwritable --out) is one line
+    `error: ...` and exit status 2, as for a bad flag."""
+    args = parse_args(argv)
+    try:
+        return distill(args)
+    except (DataError, BackboneError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

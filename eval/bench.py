@@ -12,10 +12,23 @@ oneDNN's prepacked kernel, which on CPU costs about the same for 1-5 rows (see
 mtpkit.models.packed_linear); `--linear stock` keeps torch's default. Methods run interleaved prompt by
 prompt, in an order rotated per prompt, so machine drift hits all of them alike.
 
-Writes results.json (per method and per category: tau, tokens_per_s, speedup_vs_ar,
+Timing: `--rounds R` runs the whole interleaved set (every prompt x every method) R times, the
+method order rotated per prompt and per round. Each timing is the median over the rounds and each
+speed-up keeps its min-max spread over them (`speedup_vs_ar_spread`). A speed-up is flagged (a
+`warnings` list in results.json, WARNING lines above the table, `!` after the ratio and in the
+plot) when its spread exceeds 10% of its median, when a drafter's speed-up / tau exceeds 1.05 (a
+verification step cannot cost less than an AR step on the same target), or when the machine's
+1-minute load average, sampled after every prompt, averages above its CPU count over the run.
+
+Prompts longer than the model's context (max_position_embeddings - --max-new-tokens) are skipped,
+with a warning naming how many from which --data source (cut prompts would lose their chat
+template's assistant header, so they are not cut).
+
+Writes --out (must end in .json: per method and per category: tau, tokens_per_s, speedup_vs_ar,
 matches_ar, target_calls, accept_counts, ...; plus every prompt's token ids and output ids),
-results.md (tables), results.png (tau and speed-up per category) and results_tradeoff.png
-(tokens per cycle against seconds per cycle, with iso-throughput lines: the MTPC paper's Fig. 1).
+and beside it, with the same stem: .md (tables), .png (tau and speed-up per category) and
+_tradeoff.png (tokens per cycle against seconds per cycle, with iso-throughput lines: the MTPC
+paper's Fig. 1). Whether all four can be written is checked before any model is loaded.
 """
 
 from __future__ import annotations
@@ -23,7 +36,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import statistics
 import sys
+import tempfile
 import time
 import typing
 from pathlib import Path
@@ -99,7 +115,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i (default: %(default)s)")
     p.add_argument("--dtype", default="float32", help="target dtype; exactness is checked in float32 (default: %(default)s)")
     p.add_argument("--out", default="runs/bench/results.json",
-                   help="results JSON; results.md and results.png are written beside it (default: %(default)s)")
+                   help="results JSON (must end in .json); NAME.md, NAME.png and NAME_tradeoff.png are written "
+                        "beside it (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every prompt x method this many times (order rotated per round); timings are "
+                        "medians over the rounds with their min-max spread, and need >= 2 rounds for a spread "
+                        "(default: %(default)s)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code")
     p.add_argument("--linear", choices=LINEARS, default="auto",
                    help="the target's linear layers, for every method alike: onednn (prepacked oneDNN kernel, "
@@ -127,20 +148,57 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--methods lists the same spec twice")
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error("--max-new-tokens must be >= 1, --temperature >= 0 and --top-p in (0, 1]")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if Path(args.out).suffix != ".json":
+        p.error(f"--out must end in .json (the .md and .png files are written beside it), got {args.out!r}")
     return args
 
 
-def load_prompts(sources: list[str], limit: int | None, per_category: int | None, tokenizer) -> list[dict]:
+def output_paths(out: str) -> dict[str, Path]:
+    """The four files the bench writes, all derived from --out (a .json path)."""
+    json_path = Path(out)
+    return {"json": json_path, "md": json_path.with_suffix(".md"), "png": json_path.with_suffix(".png"),
+            "tradeoff": json_path.with_name(json_path.stem + "_tradeoff.png")}
+
+
+def check_writable(paths: dict[str, Path]) -> None:
+    """Exit with one line naming --out unless its folder can be made and written, and none of the
+    output paths is a folder. Run before anything is loaded."""
+    folder = paths["json"].parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for path in paths.values():
+            if path.is_dir():
+                raise IsADirectoryError(f"{path} is a folder")
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".bench-write-test-"):
+            pass
+    except OSError as e:
+        sys.exit(f"bench: --out {paths['json']}: cannot write there ({e})")
+
+
+def load_prompts(sources: list[str], limit: int | None, per_category: int | None, tokenizer,
+                 max_prompt_len: int | None = None) -> list[dict]:
+    """Prompts of every source; those longer than `max_prompt_len` tokens are skipped, with a
+    warning per source."""
     prompts = []
     for source in sources:
         examples, report = load_examples(source, limit=limit)
         if report.skipped:
             print(f"[bench] {report.summary()}", file=sys.stderr)
         default = "builtin" if source == "builtin" else Path(source).name.split(".")[0]
+        too_long = []
         for ex in examples:
             category = ex.category if ex.category != "default" else default
-            prompts.append({"id": f"{default}/{ex.id}", "category": category,
-                            "ids": prompt_ids(tokenizer, ex.messages)})
+            ids = prompt_ids(tokenizer, ex.messages)
+            if max_prompt_len is not None and len(ids) > max_prompt_len:
+                too_long.append(len(ids))
+                continue
+            prompts.append({"id": f"{default}/{ex.id}", "category": category, "ids": ids})
+        if too_long:
+            print(f"[bench] warning: {len(too_long)} of {len(examples)} prompts of {source} are longer than the model's "
+                  f"context leaves room for ({max_prompt_len} tokens = max_position_embeddings - --max-new-tokens; "
+                  f"longest {max(too_long)}): skipped", file=sys.stderr)
     if per_category is not None:
         kept, seen = [], {}
         for p in prompts:
@@ -162,14 +220,26 @@ def run_hf(model, tokenizer, name, cfg, ids, args, eos) -> dict:
     return {"tokens": out[0, len(ids):].tolist(), "seconds": time.perf_counter() - started}
 
 
+def machine_cores() -> int:
+    """CPUs of the whole machine: the load average counts runnable tasks machine-wide."""
+    return os.cpu_count() or 1
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    paths = output_paths(args.out)
+    check_writable(paths)
     model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     eos = eos_token_ids(model, tokenizer)
+    context = getattr(model.config, "max_position_embeddings", None)
     try:
-        prompts = load_prompts(args.data, args.limit, args.per_category, tokenizer)
+        prompts = load_prompts(args.data, args.limit, args.per_category, tokenizer,
+                               None if context is None else context - args.max_new_tokens)
     except DataError as e:
         sys.exit(f"bench: {e}")
+    if not prompts:
+        sys.exit(f"bench: no prompt of --data {' '.join(args.data)} fits the model's context "
+                 f"({context} - --max-new-tokens {args.max_new_tokens})")
     drafters, adapted, shared = {}, {}, {}
     for spec, (name, cfg) in zip(args.methods, args.parsed):
         if METHODS[name].drafter is not None:
@@ -191,35 +261,39 @@ def main(argv=None) -> dict:
     for spec in drafters:  # warm-up: first calls pay one-off costs
         decode(targets[spec], drafters[spec], prompts[0]["ids"], 8)
 
-    runs = {spec: [] for spec in args.methods}
-    bar = tqdm(total=len(prompts) * len(args.methods), desc="bench", unit="run")
-    for i, prompt in enumerate(prompts):
-        order = list(range(len(args.methods)))
-        order = order[i % len(order):] + order[: i % len(order)]  # rotate to cancel order effects
-        for m in order:
-            spec, (name, cfg) = args.methods[m], args.parsed[m]
-            generator = torch.Generator().manual_seed(args.seed + i)
-            if METHODS[name].drafter is None:
-                run = run_hf(model, tokenizer, name, cfg, prompt["ids"], args, eos)
-            else:
-                res = decode(targets[spec], drafters[spec], prompt["ids"], args.max_new_tokens, args.temperature,
-                             args.top_p, eos, generator)
-                run = dataclasses.asdict(res)
-            runs[spec].append(run)
-            bar.update(1)
-            bar.set_postfix(method=spec)
+    rounds, loads = [], []
+    bar = tqdm(total=args.rounds * len(prompts) * len(args.methods), desc="bench", unit="run")
+    for r in range(args.rounds):
+        runs = {spec: [] for spec in args.methods}
+        for i, prompt in enumerate(prompts):
+            order = list(range(len(args.methods)))
+            shift = (i + r) % len(order)
+            order = order[shift:] + order[:shift]  # rotate per prompt and per round to cancel order effects
+            for m in order:
+                spec, (name, cfg) = args.methods[m], args.parsed[m]
+                generator = torch.Generator().manual_seed(args.seed + i)
+                if METHODS[name].drafter is None:
+                    run = run_hf(model, tokenizer, name, cfg, prompt["ids"], args, eos)
+                else:
+                    res = decode(targets[spec], drafters[spec], prompt["ids"], args.max_new_tokens, args.temperature,
+                                 args.top_p, eos, generator)
+                    run = dataclasses.asdict(res)
+                runs[spec].append(run)
+                bar.update(1)
+                bar.set_postfix(method=spec, round=r + 1)
+            loads.append(os.getloadavg()[0])
+        rounds.append(runs)
     bar.close()
 
-    results = summarise(runs, prompts, model, greedy=args.temperature <= 0)
+    machine = {"cores": machine_cores(), "load_mean": round(statistics.mean(loads), 2), "load_max": round(max(loads), 2)}
+    results = summarise(rounds, prompts, model, greedy=args.temperature <= 0, machine=machine)
     results["config"] = {k: v for k, v in vars(args).items() if k != "parsed"}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    table = write_markdown(results, out.with_suffix(".md"))
-    write_plot(results, out.with_suffix(".png"))
-    write_tradeoff_plot(results, out.with_name(out.stem + "_tradeoff.png"))
-    print(table)
-    print(f"[bench] wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    paths["json"].write_text(json.dumps(results, indent=1))
+    table = write_markdown(results, paths["md"])
+    write_plot(results, paths["png"])
+    write_tradeoff_plot(results, paths["tradeoff"])
+    print(table)  # WARNING lines above it, if any
+    print(f"[bench] wrote {paths['json']}, {paths['md']}, {paths['png']}")
     return results
 
 

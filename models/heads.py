@@ -1,15 +1,23 @@
 """What every method's head folder shares: the `mtpkit_config.json` that names its method and
-base model, and the `Method` entry each method registers (see `mtpkit.models.registry`)."""
+base model, the check that its weights are finite, the atomic file writes (also used by the
+trainers for their checkpoints and metrics), and the `Method` entry each method registers (see
+`mtpkit.models.registry`)."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import inspect
 import json
+import os
 import textwrap
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 HEAD_CONFIG = "mtpkit_config.json"
 
@@ -37,10 +45,39 @@ def head_folder(path) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def replacing(path) -> Iterator[Path]:
+    """A temporary path beside `path` to write to; when the block ends without an error it
+    replaces `path` in one step (os.replace: a reader sees the old file or the new one, never a
+    part), otherwise it is removed and `path` is left as it was."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_atomic(path, data: str | bytes) -> None:
+    """Write `data` to `path` through `replacing`."""
+    with replacing(path) as tmp:
+        tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
+
+
+def check_finite(tensors: dict, source) -> None:
+    """Refuse (ValueError naming the tensor and `source`, a file or folder) weights with NaN or
+    inf values: a head with them drafts garbage that verification silently rejects."""
+    for name, t in tensors.items():
+        if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(f"{source}: tensor {name!r} has {bad} non-finite value(s) (NaN or inf)")
+
+
 def write_head_config(folder, method: str, base_model: str, settings: dict) -> None:
     """`folder/mtpkit_config.json`: {"method", "base_model", **settings}."""
     config = {"method": method, "base_model": base_model, **settings}
-    (Path(folder) / HEAD_CONFIG).write_text(json.dumps(config, indent=1))
+    write_atomic(Path(folder) / HEAD_CONFIG, json.dumps(config, indent=1))
 
 
 def read_head_config(folder, method: str | None = None) -> dict:
@@ -49,15 +86,35 @@ def read_head_config(folder, method: str | None = None) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: no {HEAD_CONFIG}; expected a head folder written by "
                                 "train/export.py or a checkpoint's head/ folder")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    config = read_json(path)
     if not isinstance(config, dict) or "method" not in config:
         raise ValueError(f"{path}: no \"method\" key (not an mtpkit head config)")
     if method is not None and config["method"] != method:
         raise ValueError(f"{path}: method is {config['method']!r}, not {method!r}")
     return config
+
+
+def read_json(path):
+    """The JSON value of the file `path`; a file that is not UTF-8 JSON is a ValueError naming it."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def read_weights(path) -> dict[str, torch.Tensor]:
+    """The tensors of the .safetensors file `path`; a missing file is a FileNotFoundError, a
+    truncated or corrupt one, or one holding NaN or inf values (`check_finite`), a ValueError,
+    each naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (a head folder holds it)")
+    try:
+        tensors = load_file(str(path))
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a readable safetensors file, truncated or corrupt ({e})") from None
+    check_finite(tensors, path)
+    return tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +147,10 @@ class Method:
     head_files: tuple[str, ...] = ()
     """files of an exported head folder (besides mtpkit_config.json); () = no trained head"""
     save_head: Callable | None = None
-    """(model, folder, base_model, extra=None, state_dict=None) -> None"""
+    """(model, folder, base_model, extra=None, state_dict=None) -> None; refuses non-finite weights"""
     load_head: Callable | None = None
-    """(folder, backbone) -> the trained model on `backbone`"""
+    """(folder, backbone, trust_remote_code=False) -> the trained model on `backbone`; refuses
+    non-finite weights, and a head whose config names code to run unless trust_remote_code"""
     card: Callable[[dict], ModelCard] | None = None
     """head config -> its model card's text"""
     generate_kwargs: Callable | None = None

@@ -18,7 +18,8 @@ every --eval-every steps), checkpoint-N/ (train/checkpoints.py: state/, trainer_
 config.yaml and head/, the model as a Hugging Face folder), and model/ (the final Hugging Face
 folder: config, safetensors, byte tokenizer) plus eval.json with the final held-out bits per
 byte per source. `--install` also copies model/ to the cache folder that the backbone name
-`mtpkit-byte-lm` loads (see models/backbone.py). One process is the usual run; it also runs
+`mtpkit-byte-lm` loads (see models/backbone.py), atomically: an interrupted install leaves the
+earlier installed model in place. One process is the usual run; it also runs
 under `accelerate launch` or `torchrun` (DDP).
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -42,6 +44,7 @@ from mtpkit.data.chat import DataError
 from mtpkit.models.backbone import BYTE_LM, byte_tokenizer, cache_dir
 from mtpkit.train import engine
 from mtpkit.train.checkpoints import save_checkpoint
+from mtpkit.train.config import NOT_EMPTY, Rule, at_least
 from mtpkit.train.engine import TrainArgs
 
 
@@ -90,14 +93,29 @@ class ByteLMConfig(TrainArgs):
     """torch CPU threads (0 = torch's default)"""
 
 
+RULES: tuple[Rule, ...] = (
+    ("data", *NOT_EMPTY),
+    ("stdlib_mb", *at_least(0)),
+    ("chat_repeat", *at_least(1)),
+    ("hidden_size", *at_least(1)),
+    ("num_layers", *at_least(1)),
+    ("num_heads", *at_least(1)),
+    ("num_kv_heads", *at_least(1)),
+    ("hidden_size", lambda v, cfg: v % cfg.num_heads == 0 and v // cfg.num_heads % 2 == 0,
+     "--num-heads times an even head size (rotary embeddings)"),
+    ("num_heads", lambda v, cfg: v % cfg.num_kv_heads == 0, "a multiple of --num-kv-heads"),
+    ("intermediate_size", *at_least(1)),
+    ("block_size", *at_least(1)),
+    ("time_budget_min", *at_least(0)),
+    ("eval_blocks", *at_least(1)),
+    ("threads", *at_least(0)),
+)
+"""the recipe's own rules (after engine.TRAIN_RULES)"""
+
+
 def parse_args(argv=None) -> ByteLMConfig:
     p = engine.argument_parser(ByteLMConfig, __doc__, "configs/byte_lm/*.yaml")
-    cfg = engine.parse_config(p, ByteLMConfig, argv)
-    if min(cfg.block_size, cfg.num_layers, cfg.chat_repeat) < 1:
-        p.error("--block-size, --num-layers and --chat-repeat must be >= 1")
-    if cfg.hidden_size % cfg.num_heads or cfg.num_heads % cfg.num_kv_heads:
-        p.error("--hidden-size must divide by --num-heads, and --num-heads by --num-kv-heads")
-    return cfg
+    return engine.parse_config(p, ByteLMConfig, argv, RULES)
 
 
 def build_model(cfg: ByteLMConfig, tokenizer) -> LlamaForCausalLM:
@@ -136,6 +154,25 @@ def bits_per_byte(model, stream: torch.Tensor, block_size: int, max_blocks: int)
     return nats / max(count, 1) / math.log(2)
 
 
+def install(folder: Path, target: Path) -> None:
+    """Copy `folder` to `target`, never leaving `target` partial: the copy goes to a temporary
+    folder beside it, then two renames swap it in (the old folder aside, the new one in its
+    place), and the old one is deleted last."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    new, old = (target.with_name(f".{target.name}.{kind}-{os.getpid()}") for kind in ("new", "old"))
+    shutil.rmtree(new, ignore_errors=True)
+    try:
+        shutil.copytree(folder, new)
+        if target.exists():
+            os.replace(target, old)
+        os.replace(new, target)
+    finally:
+        shutil.rmtree(new, ignore_errors=True)
+        if old.exists() and not target.exists():
+            os.replace(old, target)  # the swap failed half-way: the earlier model goes back
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def evaluate(model, corpus, cfg: ByteLMConfig) -> dict[str, float]:
     return {f"bpb/{name}": bits_per_byte(model, stream, cfg.block_size, cfg.eval_blocks)
             for name, stream in corpus.heldout.items()}
@@ -169,6 +206,7 @@ def main(argv=None) -> dict:
     model, optimizer, scheduler, state = engine.prepare(accelerator, cfg, lm, optimizer,
                                                         progress=lambda: trained_seconds / budget if budget else 0.0)
     step, micro, trained_seconds = state["step"], state["micro_step"], state.get("trained_seconds", 0.0)
+    backward_step = engine.BackwardStep(accelerator, cfg, model.parameters(), optimizer, scheduler)
 
     def write_head(folder, state_dict=None):  # a Hugging Face folder, as model/ at the end
         lm.save_pretrained(folder, state_dict=state_dict)
@@ -184,11 +222,11 @@ def main(argv=None) -> dict:
         with accelerator.accumulate(model):
             logits = model(blocks[:, :-1]).logits
             loss = F.cross_entropy(logits.flatten(0, 1), blocks[:, 1:].flatten())
-            engine.backward_step(accelerator, loss, model.parameters(), optimizer, scheduler, cfg.max_grad_norm)
+            skipped = backward_step(loss)
         micro += 1
         trained_seconds += time.perf_counter() - t0
         window.add(loss=loss)
-        window.count(bytes=blocks[:, 1:].numel())
+        window.count(skipped_steps=skipped, bytes=blocks[:, 1:].numel())
         if not accelerator.sync_gradients:
             continue
         step += 1
@@ -202,15 +240,15 @@ def main(argv=None) -> dict:
             means, totals, seconds = window.reduce()
             row = {"step": step, "loss": means["loss"], "bits_per_byte": means["loss"] / math.log(2),
                    "lr": scheduler.get_last_lr()[0], "bytes_per_s": totals["bytes"] / seconds,
-                   "trained_minutes": trained_seconds / 60}
+                   "trained_minutes": trained_seconds / 60, "skipped_steps": int(totals["skipped_steps"])}
             if evaluate_now and accelerator.is_main_process:  # the others wait at the barrier
                 row.update(evaluate(lm, corpus, cfg))
             metrics.write(row)
             bar.set_postfix(bpb=f"{row['bits_per_byte']:.2f}")
             accelerator.wait_for_everyone()
         if step % cfg.save_every == 0 or last:
-            save_checkpoint(accelerator, model, cfg, step, {"micro_step": micro, "trained_seconds": trained_seconds},
-                            write_head)
+            save_checkpoint(accelerator, model, optimizer, cfg, step,
+                            {"micro_step": micro, "trained_seconds": trained_seconds}, write_head)
         if over_budget:
             log(f"[budget] {cfg.time_budget_min} min of training reached at step {step}")
             break
@@ -228,8 +266,7 @@ def main(argv=None) -> dict:
             f"{k.split('/', 1)[1]} {v:.3f}" for k, v in result.items() if k.startswith("bpb/")))
         if cfg.install:
             target = cache_dir() / BYTE_LM
-            shutil.rmtree(target, ignore_errors=True)
-            shutil.copytree(folder, target)
+            install(folder, target)
             log(f"[install] {folder} -> {target} (backbone name {BYTE_LM!r})")
     del model  # see engine.finish
     engine.finish(accelerator)

@@ -6,8 +6,14 @@ Checkpoints are `mtpkit.train.checkpoints`, the learning-rate schedule `mtpkit.t
 
 A recipe reads: cfg = parse_config(...); accelerator = setup(cfg, ...); build the model and the
 optimizer; model, optimizer, scheduler, state = prepare(...); then its own loop (batch, forward
-and loss under `accelerator.accumulate`, then `backward_step`: backward, clip, step, schedule; log through
-`Window` and `MetricsWriter`; evaluate; `checkpoints.save_checkpoint`), and `finish`.
+and loss under `accelerator.accumulate`, then a `BackwardStep`: backward, clip, step, schedule, and the
+non-finite rule; log through `Window` and `MetricsWriter`; evaluate; `checkpoints.save_checkpoint`),
+and `finish`.
+
+An output dir holds one run: a fresh run into a folder with another run's files is refused
+unless `--resume` (continue it) or `--overwrite 1` (delete that run's files first);
+output_dir/config.yaml is written only once the run has started (after the --resume checkpoint
+loaded).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import datetime
 import gc
 import json
 import os
+import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -26,11 +34,17 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from mtpkit.models.heads import write_atomic
 from mtpkit.train import checkpoints
-from mtpkit.train.config import ConfigError, add_config_args, resolve, to_yaml
+from mtpkit.train.config import (NOT_EMPTY, ConfigError, Rule, above, add_config_args, at_least, between, check,
+                                  one_of, resolve, to_yaml)
 from mtpkit.train.schedule import DECAYS, lr_scheduler
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
+NONFINITE = ("stop", "skip")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "metrics.superseded.jsonl", "metrics.png", "tensorboard", "model",
+             "eval.json")
+"""what a recipe writes to output_dir besides checkpoint-N/ (model/ and eval.json: byte_lm)"""
 
 
 @dataclasses.dataclass
@@ -73,6 +87,18 @@ class TrainArgs:
     """newest checkpoints kept on disk"""
     resume: str = ""
     """checkpoint folder to resume from, or `auto` for the newest in output_dir"""
+    overwrite: bool = False
+    """a fresh run into an output_dir that holds another run (checkpoint-N/, metrics.jsonl or
+    config.yaml) deletes that run's files first (checkpoint-N/, config.yaml, metrics*.jsonl,
+    metrics.png, tensorboard/, model/, eval.json; nothing else); without it such a run is refused
+    unless --resume"""
+    trust_checkpoint: bool = False
+    """let --resume load a pickled state/ (DeepSpeed's, or accelerate's of the earlier layout),
+    which can run code: only for checkpoints you wrote"""
+    nonfinite: str = "stop"
+    """on a non-finite loss or gradient norm: stop (the run ends with an error; no update, the last
+    checkpoint intact) | skip (that optimizer step is skipped, its gradients dropped, counted as
+    skipped_steps in metrics.jsonl)"""
     tensorboard: bool = False
     """also log to tensorboard (output_dir/tensorboard)"""
     dist_timeout: int = 1800
@@ -87,29 +113,47 @@ def argument_parser(cls, description: str, configs: str) -> argparse.ArgumentPar
     return p
 
 
-def parse_config(parser: argparse.ArgumentParser, cls, argv=None):
-    """Defaults < YAML < flags, and the checks of the shared fields (an error names the flag)."""
+TRAIN_RULES: tuple[Rule, ...] = (
+    ("output_dir", *NOT_EMPTY),
+    ("max_steps", *at_least(1)),
+    ("batch_size", *at_least(1)),
+    ("grad_accum", *at_least(1)),
+    ("lr", *above(0)),
+    ("warmup_steps", *at_least(0)),
+    ("decay_steps", lambda v, cfg: v == -1 or 0 <= v <= cfg.max_steps, "-1 or in [0, --max-steps]"),
+    ("lr_decay", *one_of(DECAYS)),
+    ("min_lr_ratio", *between(0, 1)),
+    ("weight_decay", *at_least(0)),
+    ("max_grad_norm", *at_least(0)),
+    ("mixed_precision", *one_of(MIXED_PRECISION)),
+    ("seed", *at_least(0)),
+    ("log_every", *at_least(1)),
+    ("eval_every", *at_least(0)),
+    ("save_every", *at_least(1)),
+    ("keep_checkpoints", *at_least(1)),
+    ("nonfinite", *one_of(NONFINITE)),
+    ("dist_timeout", *at_least(1)),
+)
+"""the rules of the shared fields (train/config.py `check`), in the order they are checked"""
+
+
+def parse_config(parser: argparse.ArgumentParser, cls, argv=None, rules: tuple[Rule, ...] = ()):
+    """Defaults < YAML < flags, each value checked against its field's type, then TRAIN_RULES and
+    the recipe's `rules` in order; the first error is one line naming the file and key or the flag."""
     try:
         cfg = resolve(cls, parser.parse_args(argv))
+        check(cfg, TRAIN_RULES + tuple(rules))
     except ConfigError as e:
         parser.error(str(e))
-    if min(cfg.max_steps, cfg.batch_size, cfg.grad_accum, cfg.keep_checkpoints) < 1:
-        parser.error("--max-steps, --batch-size, --grad-accum and --keep-checkpoints must be >= 1")
-    if cfg.mixed_precision not in MIXED_PRECISION:
-        parser.error(f"--mixed-precision must be one of {MIXED_PRECISION}, got {cfg.mixed_precision!r}")
-    if cfg.lr_decay not in DECAYS:
-        parser.error(f"--lr-decay must be one of {DECAYS}, got {cfg.lr_decay!r}")
-    if not -1 <= cfg.decay_steps <= cfg.max_steps:
-        parser.error(f"--decay-steps must be -1 or in [0, --max-steps={cfg.max_steps}], got {cfg.decay_steps}")
-    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
-        parser.error(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     return cfg
 
 
 def setup(cfg: TrainArgs, old_layout: str):
-    """The run's `Accelerator` (seeded; output_dir/config.yaml written by the main process). A
-    --resume folder that cannot be resumed is refused here, before any model is loaded;
-    `old_layout` says what to do with a checkpoint of an earlier layout (`{folder}`: the folder).
+    """The run's `Accelerator` (seeded). Refused here, before any model is loaded: a --resume
+    folder that cannot be resumed (`old_layout` says what to do with a checkpoint of an earlier
+    layout; `{folder}`: the folder), and an output_dir that holds another run (see
+    `claim_output_dir`). A process started by a launcher (torchrun, accelerate launch) ends
+    when the launcher dies (`die_with_parent`).
 
     Several processes without a GPU (torchrun, `accelerate launch` with a multi-process config):
     accelerate would leave them unconnected (each believing it is alone), so plain DDP is told to
@@ -120,6 +164,12 @@ def setup(cfg: TrainArgs, old_layout: str):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cpu_processes = world > 1 and not torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if cfg.nonfinite == "skip" and deepspeed:
+        raise SystemExit("error: --nonfinite skip: DeepSpeed steps inside its backward, so a step cannot be skipped; "
+                         "use --nonfinite stop")
+    launched = "LOCAL_RANK" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
+    if launched:
+        die_with_parent()
     group = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.dist_timeout),
                                    **({"backend": "gloo"} if cpu_processes else {}))
     out = Path(cfg.output_dir)
@@ -127,15 +177,47 @@ def setup(cfg: TrainArgs, old_layout: str):
                               log_with="tensorboard" if cfg.tensorboard else None, project_dir=str(out),
                               cpu=cpu_processes and not deepspeed, kwargs_handlers=[group])
     set_seed(cfg.seed)
-    checkpoints.resume_folder(cfg, old_layout)
-    if accelerator.is_main_process:
-        launcher = ("accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ
-                    else "torchrun" if world > 1 else "python")
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(to_yaml(cfg, " ".join([launcher] + sys.argv)))
+    checkpoints.resume_folder(cfg, old_layout, deepspeed=deepspeed)
+    claim_output_dir(accelerator, cfg)
     if cfg.tensorboard:
         accelerator.init_trackers("tensorboard", config=_flat(dataclasses.asdict(cfg)))
     return accelerator
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Linux: have the kernel send `sig` to this process when its parent dies (prctl
+    PR_SET_PDEATHSIG), so a killed torchrun or accelerate launcher leaves no worker writing to the
+    output dir. Elsewhere, nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
+
+
+def claim_output_dir(accelerator, cfg: TrainArgs) -> None:
+    """A fresh run (no --resume) into an output_dir that holds another run (checkpoint-N/,
+    metrics.jsonl or config.yaml): refused (SystemExit on every process) unless --overwrite,
+    which deletes that run's files (checkpoint-N/ and RUN_FILES; other files stay)."""
+    out = Path(cfg.output_dir)
+    found = sorted(p.name for p in out.glob("checkpoint-*") if p.is_dir())
+    found += [name for name in ("metrics.jsonl", "config.yaml") if (out / name).exists()]
+    if not found or cfg.resume:
+        return
+    if not cfg.overwrite:
+        raise SystemExit(f"error: --output-dir {out} holds another run ({', '.join(found[:4])}); continue it with "
+                         "--resume auto, replace it with --overwrite 1 (deletes its files), or choose another "
+                         "--output-dir")
+    accelerator.wait_for_everyone()  # every process has looked before anything goes
+    if accelerator.is_main_process:
+        for path in [*out.glob("checkpoint-*"), *(out / name for name in RUN_FILES)]:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+        printer(accelerator)(f"[overwrite] {out}: the earlier run's files deleted ({', '.join(found[:4])})")
+    accelerator.wait_for_everyone()
 
 
 def printer(accelerator):
@@ -147,10 +229,10 @@ def prepare(accelerator, cfg: TrainArgs, model: torch.nn.Module, optimizer,
             progress: Callable[[], float] | None = None):
     """accelerator.prepare(model, optimizer) (DeepSpeed told the batch sizes; checkpoints keep only
     the trainable tensors), the --resume checkpoint loaded into them, and the LR schedule from its
-    step (`progress`: see schedule.lr_multiplier). Returns (model, optimizer, scheduler, trainer
-    state: "step", "micro_step" and the recipe's counters of the checkpoint; zeros for a new run).
-    The scheduler is stepped by the recipe once per optimizer step (a prepared one would step once
-    per process)."""
+    step (`progress`: see schedule.lr_multiplier). Then, the run having started, the main process
+    writes output_dir/config.yaml. Returns (model, optimizer, scheduler, trainer state: "step",
+    "micro_step" and the recipe's counters of the checkpoint; zeros for a new run). The scheduler
+    is stepped by the recipe once per optimizer step (a prepared one would step once per process)."""
     if accelerator.state.deepspeed_plugin is not None:
         ds = accelerator.state.deepspeed_plugin.deepspeed_config
         ds["train_micro_batch_size_per_gpu"] = cfg.batch_size
@@ -160,22 +242,66 @@ def prepare(accelerator, cfg: TrainArgs, model: torch.nn.Module, optimizer,
                              f"{accelerator.num_processes} process(es)")
     accelerator.register_save_state_pre_hook(checkpoints.drop_frozen)
     model, optimizer = accelerator.prepare(model, optimizer)
-    state = {"step": 0, "micro_step": 0, **checkpoints.load_checkpoint(accelerator, cfg)}
+    state = {"step": 0, "micro_step": 0, **checkpoints.load_checkpoint(accelerator, model, optimizer, cfg)}
+    if accelerator.is_main_process:
+        launcher = ("accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ
+                    else "torchrun" if accelerator.num_processes > 1 else "python")
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "config.yaml", to_yaml(cfg, " ".join([launcher] + sys.argv)))
+    accelerator.wait_for_everyone()
     return model, optimizer, lr_scheduler(optimizer, cfg, state["step"], progress), state
 
 
-def backward_step(accelerator, loss: torch.Tensor, params, optimizer, scheduler, max_grad_norm: float) -> None:
-    """One micro-step's update, inside the recipe's `with accelerator.accumulate(model):` block:
-    backward; on the micro-step that completes an optimizer step (accelerate syncs the
-    gradients), clip `params` to `max_grad_norm` (0 = off) and step the scheduler. The optimizer
-    prepared by accelerate skips its own step and zero_grad until then."""
-    accelerator.backward(loss)
-    if accelerator.sync_gradients and max_grad_norm > 0:
-        accelerator.clip_grad_norm_(params, max_grad_norm)
-    optimizer.step()
-    if accelerator.sync_gradients:
-        scheduler.step()
-    optimizer.zero_grad()
+class BackwardStep:
+    """One micro-step's update, called with the loss inside the recipe's `with
+    accelerator.accumulate(model):` block: backward; on the micro-step that completes an
+    optimizer step (accelerate syncs the gradients), clip `params` to cfg.max_grad_norm (0 = off),
+    step the optimizer and the scheduler. The optimizer prepared by accelerate skips its own step
+    and zero_grad until then.
+
+    A non-finite loss on any micro-step of the optimizer step, on any process, or a non-finite
+    gradient norm, is decided on by every process together at that micro-step (before DeepSpeed's
+    backward, which steps): --nonfinite stop ends the run (SystemExit on every process, no
+    update); skip drops the gradients, steps only the scheduler, and the call returns True (the
+    recipe counts it)."""
+
+    def __init__(self, accelerator, cfg: TrainArgs, params, optimizer, scheduler):
+        self.accelerator, self.params, self.optimizer, self.scheduler = accelerator, list(params), optimizer, scheduler
+        self.max_grad_norm, self.mode, self.grad_accum = cfg.max_grad_norm, cfg.nonfinite, cfg.grad_accum
+        self.bad = torch.zeros((), dtype=torch.bool, device=accelerator.device)  # on device: no sync per micro-step
+
+    def __call__(self, loss: torch.Tensor) -> bool:
+        acc = self.accelerator
+        self.bad = self.bad | ~torch.isfinite(loss.detach()).all()
+        bad = False
+        if acc.sync_gradients:
+            bad = acc.reduce(self.bad.float().reshape(1), reduction="sum").item() > 0
+            self.bad = torch.zeros_like(self.bad)
+            if bad:
+                self._stop("loss")
+        acc.backward(loss)
+        if acc.sync_gradients and self.max_grad_norm > 0 and not bad:
+            norm = acc.clip_grad_norm_(self.params, self.max_grad_norm)
+            bad = norm is not None and not bool(torch.isfinite(torch.as_tensor(norm)).all())  # same on every process
+            if bad:
+                self._stop(f"gradient norm ({float(norm)})")
+        if bad:  # skip: the gradients of this optimizer step are dropped
+            self.optimizer.zero_grad()
+            self.scheduler.step()
+            return True
+        self.optimizer.step()
+        if acc.sync_gradients:
+            self.scheduler.step()
+        self.optimizer.zero_grad()
+        return False
+
+    def _stop(self, what: str) -> None:
+        if self.mode == "stop":
+            step = self.accelerator.step // self.grad_accum
+            raise SystemExit(f"error: non-finite {what} at optimizer step {step}: the run stops "
+                             "before the update, its last checkpoint intact; lower --lr, check the data, or pass "
+                             "--nonfinite skip to skip such steps")
 
 
 def finish(accelerator) -> None:

@@ -14,6 +14,11 @@ mtpkit_config.json): gated LoRA loads with `mtpkit.models.gated_lora.load_head(f
 MTPC (`head.safetensors`: circuit head + draft-layer LoRA) with `mtpkit.models.mtpc.load_head`.
 --push-to-hub uploads the folder with huggingface_hub (token from HF_TOKEN or the login
 cache); without network it says so and keeps the folder.
+
+--out is created, or must be empty or an earlier export (only the files an export writes:
+mtpkit_config.json, README.md, a method's head files); a folder with other files is refused
+unless --overwrite, which replaces the export's files there and leaves the others. Every file is
+written through a temporary file and a rename. Weights with NaN or inf values are refused.
 """
 
 from __future__ import annotations
@@ -24,15 +29,20 @@ import shutil
 import sys
 from pathlib import Path
 
-from mtpkit.models.heads import HEAD_CONFIG, head_folder, read_head_config
-from mtpkit.models.registry import trained_method
+from mtpkit.models.heads import (HEAD_CONFIG, head_folder, read_head_config, read_weights, replacing,
+                                 write_atomic)
+from mtpkit.models.registry import METHODS, trained_method
 from mtpkit.train.checkpoints import latest_checkpoint
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="checkpoint-N/ folder, or a run's output dir (newest checkpoint)")
-    p.add_argument("--out", required=True, help="export folder (created; existing head files are replaced)")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint-N/ folder, or a run's output dir (newest checkpoint)")
+    p.add_argument("--out", required=True,
+                   help="export folder: new, empty or an earlier export (whose files are replaced)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="export into a folder that holds other files too (same-named ones are replaced)")
     p.add_argument("--results", help="eval/bench.py results.json whose tau table goes into the model card")
     p.add_argument("--push-to-hub", metavar="REPO", help="upload the folder to this Hub repo (user/name)")
     p.add_argument("--private", action="store_true", help="create the Hub repo private")
@@ -47,6 +57,22 @@ def find_head(path: Path) -> Path:
     if ckpt is None:
         raise FileNotFoundError(f"--checkpoint {path}: no head/ folder and no checkpoint-N/ inside")
     return head_folder(ckpt)
+
+
+def export_files() -> set[str]:
+    """Every file name an export writes, for any method."""
+    return {HEAD_CONFIG, "README.md", *(f for m in METHODS.values() for f in m.head_files)}
+
+
+def foreign_files(out: Path) -> list[str]:
+    """What in `out` an export did not write: everything, unless it is an earlier export
+    (mtpkit_config.json there), then what is not an export's file name."""
+    if not out.is_dir():
+        return []
+    names = sorted(p.name for p in out.iterdir())
+    if HEAD_CONFIG not in names:
+        return names
+    return [n for n in names if n not in export_files()]
 
 
 def model_card(config: dict, results: dict | None, trainer: dict, train_config: str) -> str:
@@ -107,17 +133,30 @@ def main(argv=None) -> Path:
     missing = [f for f in files if not (head / f).is_file()]
     if missing:
         sys.exit(f"export: {head} lacks {missing}")
+    try:
+        for name in files:
+            if name.endswith(".safetensors"):
+                read_weights(head / name)
+    except ValueError as e:
+        sys.exit(f"export: {e}")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        sys.exit(f"export: --out {out} is a file, not a folder")
+    foreign = foreign_files(out)
+    if foreign and not args.overwrite:
+        sys.exit(f"export: --out {out} holds files an export did not write ({', '.join(foreign[:5])}); choose a new "
+                 "or empty folder, or pass --overwrite to write beside them")
     out.mkdir(parents=True, exist_ok=True)
     for name in files:
-        shutil.copyfile(head / name, out / name)
+        with replacing(out / name) as tmp:
+            shutil.copyfile(head / name, tmp)
     # checkpoint-N/head/, or a checkpoint-N/ that holds the head files itself
     ckpt = head if (head / "trainer_state.json").is_file() else head.parent
     trainer_file = ckpt / "trainer_state.json"
     trainer = json.loads(trainer_file.read_text()) if trainer_file.is_file() else {}
     if trainer:
         config["trained_steps"] = trainer["step"]
-        (out / HEAD_CONFIG).write_text(json.dumps(config, indent=1))
+        write_atomic(out / HEAD_CONFIG, json.dumps(config, indent=1))
     results = None
     if args.results:
         try:
@@ -125,7 +164,7 @@ def main(argv=None) -> Path:
         except (OSError, json.JSONDecodeError) as e:
             sys.exit(f"export: --results {args.results}: {e}")
     train_config = (ckpt / "config.yaml").read_text() if (ckpt / "config.yaml").is_file() else ""
-    (out / "README.md").write_text(model_card(config, results, trainer, train_config))
+    write_atomic(out / "README.md", model_card(config, results, trainer, train_config))
     print(f"[export] {head} -> {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
     if args.push_to_hub:
         try:

@@ -35,12 +35,13 @@ from mtpkit.data.chat import IGNORE, DataError, load_examples, prompt_ids, token
 from mtpkit.data.mtp import collate_mask_inputs, mask_inputs
 from mtpkit.eval.decoder import Target, decode
 from mtpkit.eval.report import write_training_plot
-from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
+from mtpkit.models.backbone import DEFAULT_BACKBONE, DTYPES, eos_token_ids, load_backbone
 from mtpkit.models.gated_lora.drafter import DECODINGS, GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP
 from mtpkit.models.registry import METHODS
 from mtpkit.train import engine
 from mtpkit.train.checkpoints import save_checkpoint
+from mtpkit.train.config import NOT_EMPTY, Rule, above, at_least, one_of
 from mtpkit.train.engine import TrainArgs
 
 
@@ -70,14 +71,29 @@ class TrainConfig(TrainArgs):
     model: GatedLoRAConfig = dataclasses.field(default_factory=GatedLoRAConfig)
 
 
+RULES: tuple[Rule, ...] = (
+    ("backbone", *NOT_EMPTY),
+    ("data", *NOT_EMPTY),
+    ("max_length", *at_least(1)),
+    ("dtype", *one_of(tuple(DTYPES))),
+    ("eval_prompts", *at_least(1)),
+    ("eval_max_new_tokens", *at_least(1)),
+    ("eval_decoding", *one_of(DECODINGS)),
+    ("k", *at_least(1)),
+    ("rank", *at_least(1)),
+    ("alpha", *above(0)),
+    ("dropout", lambda v, cfg: 0 <= v < 1, "in [0, 1)"),
+    ("target_modules", *NOT_EMPTY),
+    ("base_weight", *at_least(0)),
+    ("sampler_weight", *at_least(0)),
+    ("lcm_weight", *at_least(0)),
+)
+"""the recipe's own rules (after engine.TRAIN_RULES)"""
+
+
 def parse_args(argv=None) -> TrainConfig:
     p = engine.argument_parser(TrainConfig, __doc__, "configs/gated_lora/*.yaml")
-    cfg = engine.parse_config(p, TrainConfig, argv)
-    if cfg.eval_decoding not in DECODINGS:
-        p.error(f"--eval-decoding must be one of {DECODINGS}, got {cfg.eval_decoding!r}")
-    if min(cfg.max_length, cfg.model.k) < 1:
-        p.error("--max-length and --k must be >= 1")
-    return cfg
+    return engine.parse_config(p, TrainConfig, argv, RULES)
 
 
 def build_features(cfg: TrainConfig, tokenizer, log) -> tuple[list[dict], set[str]]:
@@ -148,6 +164,7 @@ def main(argv=None) -> dict:
         f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}")
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     model, optimizer, scheduler, state = engine.prepare(accelerator, cfg, mtp, optimizer)  # mtp: unwrapped
+    backward_step = engine.BackwardStep(accelerator, cfg, trainable, optimizer, scheduler)
     step, micro, tokens_seen = state["step"], state["micro_step"], state.get("tokens_seen", 0)
 
     metrics, window = engine.MetricsWriter(accelerator, cfg), engine.Window(accelerator)
@@ -161,10 +178,10 @@ def main(argv=None) -> dict:
         batch = {k: v.to(accelerator.device) for k, v in collate_mask_inputs(slots).items()}
         with accelerator.accumulate(model):
             losses = model(**batch)
-            engine.backward_step(accelerator, losses["loss"], trainable, optimizer, scheduler, cfg.max_grad_norm)
+            skipped = backward_step(losses["loss"])
         micro += 1
         window.add(**losses)
-        window.count(slots=sum(s["input_ids"].numel() for s in slots),  # NTP + mask positions
+        window.count(skipped_steps=skipped, slots=sum(s["input_ids"].numel() for s in slots),  # NTP + mask positions
                      ntp=sum(f["input_ids"].numel() for f in feats))
         if not accelerator.sync_gradients:
             continue
@@ -174,7 +191,8 @@ def main(argv=None) -> dict:
             means, totals, seconds = window.reduce()
             tokens_seen += int(totals["ntp"])
             result = {"step": step, **means, "lr": scheduler.get_last_lr()[0], "slots_per_s": totals["slots"] / seconds,
-                      "ntp_tokens_per_s": totals["ntp"] / seconds, "tokens_seen": tokens_seen}
+                      "ntp_tokens_per_s": totals["ntp"] / seconds, "tokens_seen": tokens_seen,
+                      "skipped_steps": int(totals["skipped_steps"])}
             metrics.write(result)
             bar.set_postfix(loss=f"{means['loss']:.3f}", mtp=f"{means.get('base_mtp', math.nan):.2f}",
                             acc1=f"{means.get('acc_m1', math.nan):.2f}")
@@ -188,7 +206,8 @@ def main(argv=None) -> dict:
                 window.exclude(time.perf_counter() - t0)  # evaluation time is not training throughput
             accelerator.wait_for_everyone()
         if step % cfg.save_every == 0 or step == cfg.max_steps:
-            save_checkpoint(accelerator, model, cfg, step, {"micro_step": micro, "tokens_seen": tokens_seen},
+            save_checkpoint(accelerator, model, optimizer, cfg, step,
+                            {"micro_step": micro, "tokens_seen": tokens_seen},
                             functools.partial(METHODS["gated_lora"].save_head, mtp, base_model=cfg.backbone))
     bar.close()
     if accelerator.is_main_process and metrics.path.is_file():

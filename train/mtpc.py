@@ -43,17 +43,17 @@ import time
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 from mtpkit.data.chat import IGNORE, DataError, load_examples, tokenize_chat
-from mtpkit.models.backbone import load_backbone
-from mtpkit.models.mtpc.circuits import mode, next_log_probs
+from mtpkit.models.backbone import DTYPES, load_backbone
+from mtpkit.models.mtpc.circuits import ARCHS, mode, next_log_probs
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel, window_loss, window_targets
-from mtpkit.models.heads import head_folder
+from mtpkit.models.heads import head_folder, read_weights
 from mtpkit.models.registry import METHODS
 from mtpkit.train import engine
 from mtpkit.train.checkpoints import save_checkpoint
+from mtpkit.train.config import NOT_EMPTY, Rule, above, at_least, between, one_of
 from mtpkit.train.engine import TrainArgs
 
 DEFAULT_BYTE_BACKBONE = "mtpkit-byte-lm"
@@ -93,6 +93,27 @@ class TrainConfig(TrainArgs):
     model: MTPCConfig = dataclasses.field(default_factory=MTPCConfig)
 
 
+RULES: tuple[Rule, ...] = (
+    ("backbone", *NOT_EMPTY),
+    ("data", *NOT_EMPTY),
+    ("max_length", *at_least(1)),
+    ("windows_per_sequence", *at_least(0)),
+    ("gamma", *between(0, 1)),
+    ("kl_weight", *at_least(0)),
+    ("eval_sequences", *at_least(1)),
+    ("dtype", *one_of(tuple(DTYPES))),
+    ("arch", *one_of(ARCHS + ("cirkit",))),
+    ("n", *at_least(2)),
+    ("n", lambda v, cfg: cfg.model.arch != "btree" or v & (v - 1) == 0, "a power-of-two window for --arch btree"),
+    ("r", *at_least(1)),
+    ("init_std", *above(0)),
+    ("lora_layers", *at_least(0)),
+    ("lora_rank", *at_least(1)),
+    ("lora_alpha", *above(0)),
+)
+"""the recipe's own rules (after engine.TRAIN_RULES); --rank is --r, -n/--window is --n"""
+
+
 def parse_args(argv=None) -> TrainConfig:
     p = engine.argument_parser(TrainConfig, __doc__, "configs/mtpc/*.yaml")
     p.add_argument("--rank", dest="cfg__model__r", type=int, default=None, help="alias of --r: the circuit rank")
@@ -100,13 +121,11 @@ def parse_args(argv=None) -> TrainConfig:
     # its --nnodes/--nproc-per-node/...), so under torchrun write `-n 16` or `--window 16`
     p.add_argument("-n", "--window", dest="cfg__model__n", type=int, default=None,
                    help="alias of --n (use it under torchrun, which rejects --n)")
-    cfg = engine.parse_config(p, TrainConfig, argv)
+    cfg = engine.parse_config(p, TrainConfig, argv, RULES)
     try:
-        cfg.model.__post_init__()
+        cfg.model.__post_init__()  # the model config's own checks, on the values the flags set
     except ValueError as e:
         p.error(str(e))
-    if cfg.max_length < 1:
-        p.error("--max-length must be >= 1")
     if not cfg.gamma:
         cfg.gamma = 0.9 if cfg.model.n > 8 else 0.8
     return cfg
@@ -218,6 +237,11 @@ def main(argv=None) -> dict:
     log = engine.printer(accelerator)
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
 
+    if cfg.init_from:  # read before the backbone loads, so a wrong folder fails at once
+        try:
+            init_state = read_weights(head_folder(cfg.init_from) / "head.safetensors")
+        except (OSError, ValueError) as e:
+            sys.exit(f"mtpc: --init-from {cfg.init_from}: {e}")
     backbone, tokenizer = load_backbone(cfg.backbone, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     backbone.to(device)  # outside the model's state and DDP: frozen, read again from --backbone
     try:
@@ -227,15 +251,15 @@ def main(argv=None) -> dict:
     torch.manual_seed(cfg.seed)  # peft draws the LoRA A matrices from the global generator
     mtpc = MTPCModel(backbone, cfg.model, seed=cfg.seed)
     if cfg.init_from:
-        state = load_file(str(head_folder(cfg.init_from) / "head.safetensors"))
-        missing = mtpc.load_state_dict(state, strict=False)
-        log(f"[init] {cfg.init_from}: {len(state)} tensors; new: {len(missing.missing_keys)}")
+        missing = mtpc.load_state_dict(init_state, strict=False)
+        log(f"[init] {cfg.init_from}: {len(init_state)} tensors; new: {len(missing.missing_keys)}")
     trainable = [p for p in mtpc.parameters() if p.requires_grad]
     log(f"[model] {cfg.backbone}: MTPC {cfg.model.arch} n={cfg.model.n} r={cfg.model.units}, "
         f"{cfg.model.lora_layers} LoRA draft layer(s), {sum(p.numel() for p in trainable) / 1e6:.2f}M trainable; "
         f"{len(train)} training / {len(held)} held-out sequences; {world} process(es)")
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     model, optimizer, scheduler, state = engine.prepare(accelerator, cfg, mtpc, optimizer)  # mtpc: unwrapped
+    backward_step = engine.BackwardStep(accelerator, cfg, trainable, optimizer, scheduler)
     step, micro, bytes_seen = state["step"], state["micro_step"], state.get("bytes_seen", 0)
 
     metrics, window = engine.MetricsWriter(accelerator, cfg), engine.Window(accelerator)
@@ -254,10 +278,10 @@ def main(argv=None) -> dict:
             nll, per_offset = window_loss(params, targets, valid, rows, ids.shape[0], cfg.gamma)
             kl = kl_loss(mtpc, params, targets, valid, ids, rows, cols) if cfg.kl_weight else nll.new_zeros(())
             loss = nll + cfg.kl_weight * kl
-            engine.backward_step(accelerator, loss, trainable, optimizer, scheduler, cfg.max_grad_norm)
+            skipped = backward_step(loss)
         micro += 1
         window.add(loss=loss, nll=nll, kl=kl, nll_per_offset=per_offset)
-        window.count(bytes=(labels != IGNORE).sum())
+        window.count(skipped_steps=skipped, bytes=(labels != IGNORE).sum())
         if not accelerator.sync_gradients:
             continue
         step += 1
@@ -267,7 +291,7 @@ def main(argv=None) -> dict:
             bytes_seen += int(totals["bytes"])
             result = {"step": step, **means, "nll_per_offset": [round(v, 4) for v in means["nll_per_offset"]],
                       "lr": scheduler.get_last_lr()[0], "assistant_bytes_per_s": totals["bytes"] / seconds,
-                      "bytes_seen": bytes_seen}
+                      "bytes_seen": bytes_seen, "skipped_steps": int(totals["skipped_steps"])}
             metrics.write(result)
             bar.set_postfix(loss=f"{result['loss']:.3f}", nll1=f"{result['nll_per_offset'][0]:.2f}")
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps) and held:
@@ -282,7 +306,8 @@ def main(argv=None) -> dict:
                 window.exclude(time.perf_counter() - t0)
             accelerator.wait_for_everyone()
         if step % cfg.save_every == 0 or step == cfg.max_steps:
-            save_checkpoint(accelerator, model, cfg, step, {"micro_step": micro, "bytes_seen": bytes_seen},
+            save_checkpoint(accelerator, model, optimizer, cfg, step,
+                            {"micro_step": micro, "bytes_seen": bytes_seen},
                             functools.partial(METHODS["mtpc"].save_head, mtpc, base_model=cfg.backbone))
     bar.close()
     del model  # see engine.finish

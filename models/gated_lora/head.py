@@ -6,10 +6,11 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from mtpkit.models.gated_lora.model import GatedLoRAConfig, GatedMTP
-from mtpkit.models.heads import ModelCard, head_folder, read_head_config, write_head_config
+from mtpkit.models.heads import (HEAD_CONFIG, ModelCard, check_finite, head_folder, read_head_config, read_json,
+                                 read_weights, replacing, write_head_config)
 
 METHOD = "gated_lora"
 HEAD_WEIGHTS = "mtp_head.safetensors"
@@ -20,24 +21,37 @@ def save_head(model: GatedMTP, out_dir, base_model: str, extra: dict | None = No
               state_dict: dict | None = None) -> None:
     """Write `out_dir`: adapter_config.json + adapter_model.safetensors (peft), mtp_head.safetensors
     (mask embeddings, sampler) and mtpkit_config.json (method, k, base model, LoRA settings).
-    `state_dict`: the full GatedMTP state dict when the module's own tensors are sharded (ZeRO-3)."""
+    `state_dict`: the full GatedMTP state dict when the module's own tensors are sharded (ZeRO-3).
+    Refuses (ValueError) non-finite trainable weights before writing anything."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     state = state_dict if state_dict is not None else model.state_dict()
+    adapter = {k.removeprefix("peft."): v for k, v in state.items() if k.startswith("peft.") and "lora_" in k}
+    head = {k: v.detach().contiguous() for k, v in state.items() if k == "mask_embeds" or k.startswith("sampler.")}
+    check_finite({**adapter, **head}, out)
+    out.mkdir(parents=True, exist_ok=True)
     model.peft.save_pretrained(str(out), state_dict={k.removeprefix("peft."): v for k, v in state.items()
                                                      if k.startswith("peft.")})
-    head = {k: v.detach().contiguous() for k, v in state.items() if k == "mask_embeds" or k.startswith("sampler.")}
-    save_file(head, str(out / HEAD_WEIGHTS))
+    with replacing(out / HEAD_WEIGHTS) as tmp:
+        save_file(head, str(tmp))
     write_head_config(out, METHOD, base_model, {"k": model.config.k, "gated_lora": dataclasses.asdict(model.config),
                                                 **(extra or {})})
 
 
-def load_head(head_dir, base_model) -> GatedMTP:
-    """The GatedMTP of a head folder on `base_model` (modified in place: peft injects its layers)."""
-    head_dir = head_folder(head_dir)
+def load_head(head_dir, base_model, trust_remote_code: bool = False) -> GatedMTP:
+    """The GatedMTP of a head folder on `base_model` (modified in place: peft injects its layers).
+    Refuses (ValueError naming the tensor and file) non-finite weights. A gated-LoRA head names
+    no code, so `trust_remote_code` changes nothing (the argument every method's load_head takes)."""
+    head_dir = Path(head_folder(head_dir))
     config = read_head_config(head_dir, METHOD)
-    model = GatedMTP(base_model, GatedLoRAConfig(**config["gated_lora"]), adapter=str(head_dir))
-    head = load_file(str(Path(head_dir) / HEAD_WEIGHTS))
+    try:
+        lora = GatedLoRAConfig(**config["gated_lora"])
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{head_dir / HEAD_CONFIG}: no valid \"gated_lora\" settings "
+                         f"({type(e).__name__}: {e})") from None
+    read_json(head_dir / "adapter_config.json")  # peft's own error would not name the file
+    read_weights(head_dir / "adapter_model.safetensors")  # checked here: peft reads it without a check
+    head = read_weights(head_dir / HEAD_WEIGHTS)
+    model = GatedMTP(base_model, lora, adapter=str(head_dir))
     with torch.no_grad():
         model.mask_embeds.copy_(head.pop("mask_embeds"))
         if model.sampler is not None:

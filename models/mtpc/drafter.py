@@ -85,6 +85,9 @@ class MTPCDraftConfig:
     since the path is the drafter's own randomness, and cheaper, as no verified position needs
     all r units; but the mixture's averaging is lost, so fewer bytes are accepted, see
     docs/mtpc.md). Same for FF (one unit)"""
+    trust_remote_code: bool = False
+    """let a cirkit head's config name a `module:function` that loading imports and runs as its
+    circuit builder (only for heads whose code you trust)"""
 
 
 class LazyConditionals:
@@ -132,7 +135,7 @@ class MTPCDrafter(Drafter):
         if self.model is None:
             key = ("mtpc", self.config.head)
             if key not in shared:
-                shared[key] = load_head(self.config.head, model)
+                shared[key] = load_head(self.config.head, model, trust_remote_code=self.config.trust_remote_code)
             self.model = shared[key]
         if self.model.backbone is not model:
             raise ValueError("mtpc: the head was loaded on another backbone object than the target")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from mtpkit.models.heads import ModelCard, head_folder, read_head_config, write_head_config
+from mtpkit.models.heads import (HEAD_CONFIG, ModelCard, check_finite, head_folder, read_head_config, read_weights,
+                                 replacing, write_head_config)
 from mtpkit.models.mtpc.model import MTPCConfig, MTPCModel
 
 METHOD = "mtpc"
@@ -19,22 +20,38 @@ def save_head(model: MTPCModel, folder, base_model: str, extra: dict | None = No
               state_dict: dict | None = None) -> None:
     """Write `folder`: head.safetensors (the trainable tensors: head and draft LoRA) and
     mtpkit_config.json (method, base model, the MTPCConfig). `state_dict`: the full model state
-    dict when the module's own tensors are sharded (ZeRO-3)."""
+    dict when the module's own tensors are sharded (ZeRO-3). Refuses (ValueError) non-finite
+    weights before writing anything."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     keep = set(model.trainable_state_dict())
     state = state_dict if state_dict is not None else model.state_dict()
-    save_file({k: v.detach().contiguous() for k, v in state.items() if k in keep}, str(folder / HEAD_WEIGHTS))
+    weights = {k: v.detach().contiguous() for k, v in state.items() if k in keep}
+    check_finite(weights, folder / HEAD_WEIGHTS)
+    folder.mkdir(parents=True, exist_ok=True)
+    with replacing(folder / HEAD_WEIGHTS) as tmp:
+        save_file(weights, str(tmp))
     write_head_config(folder, METHOD, base_model, {**dataclasses.asdict(model.cfg), **(extra or {})})
 
 
-def load_head(folder, backbone) -> MTPCModel:
-    """An exported (or checkpointed) MTPC head on `backbone`, in eval mode."""
+def load_head(folder, backbone, trust_remote_code: bool = False) -> MTPCModel:
+    """An exported (or checkpointed) MTPC head on `backbone`, in eval mode. Refuses (ValueError)
+    non-finite weights, and a cirkit head whose config names a `module:function` to import and
+    run as its circuit builder unless `trust_remote_code` (as transformers' flag: only for heads
+    whose code you trust)."""
     folder = head_folder(folder)
     config = read_head_config(folder, METHOD)
+    circuit = str(config.get("circuit", ""))
+    if config.get("arch") == "cirkit" and ":" in circuit and not trust_remote_code:
+        raise ValueError(f"{Path(folder) / HEAD_CONFIG}: \"circuit\": {circuit!r} names code that loading would "
+                         "import and run; pass trust_remote_code=True (eval/bench.py: "
+                         "mtpc:head=DIR,trust_remote_code=1) only if you trust this head")
+    state = read_weights(Path(folder) / HEAD_WEIGHTS)
     fields = {f.name for f in dataclasses.fields(MTPCConfig)}
-    model = MTPCModel(backbone, MTPCConfig(**{k: v for k, v in config.items() if k in fields}))
-    state = load_file(str(Path(folder) / HEAD_WEIGHTS))
+    try:
+        settings = MTPCConfig(**{k: v for k, v in config.items() if k in fields})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{Path(folder) / HEAD_CONFIG}: {e}") from None
+    model = MTPCModel(backbone, settings)
     result = model.load_state_dict(state, strict=False)
     expected = set(model.trainable_state_dict())
     if expected - set(state) or result.unexpected_keys:

@@ -117,3 +117,62 @@ def test_every_assistant_turn_is_regenerated_on_the_targets_own_history(tmp_path
 
     too_long = distill_mod.main(base + ["--out", str(tmp_path / "none.jsonl"), "--max-prompt-tokens", "5"])
     assert too_long["skipped_too_long"] == 2 and too_long["written"] == 0
+
+
+@pytest.mark.parametrize("bad", [["--limit", "0"], ["--limit", "-1"], ["--max-prompt-tokens", "0"],
+                                 ["--max-turns", "0"], ["--temperature", "nan"], ["--temperature", "inf"],
+                                 ["--top-p", "nan"], ["--show", "-1"], ["--dtype", "int8"]])
+def test_bad_values_are_refused_before_anything_runs(bad, tmp_path, capsys):
+    out = tmp_path / "x.jsonl"
+    with pytest.raises(SystemExit) as stop:
+        distill_mod.main(ARGS + ["--out", str(out)] + bad)
+    assert stop.value.code == 2 and bad[0] in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("same", ["path", "relative", "symlink"])
+def test_out_equal_to_data_is_refused_and_the_input_kept(same, tmp_path, capsys, monkeypatch):
+    data = tmp_path / "prompts.jsonl"
+    text = "\n".join(json.dumps({"id": i, "messages": [{"role": "user", "content": "hi"}]}) for i in "ab")
+    data.write_text(text)  # no final newline: resuming would cut the last line
+    monkeypatch.chdir(tmp_path)
+    out = {"path": str(data), "relative": "./prompts.jsonl", "symlink": str(tmp_path / "link.jsonl")}[same]
+    if same == "symlink":
+        (tmp_path / "link.jsonl").symlink_to(data)
+    with pytest.raises(SystemExit) as stop:
+        distill_mod.main(["--backbone", "tiny-llama-random", "--data", str(data), "--out", out])
+    assert stop.value.code == 2 and "is the --data file" in capsys.readouterr().err
+    assert data.read_text() == text
+
+
+def test_out_that_is_a_folder_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        distill_mod.main(ARGS + ["--out", str(tmp_path)])
+    assert "is a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["missing", "all_malformed", "bad_json_list", "unknown_builtin", "unknown_backbone",
+                                  "head_as_backbone", "unwritable_out"])
+def test_user_errors_are_one_line_not_a_traceback(case, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    broken = tmp_path / "broken.json"
+    broken.write_text("[{")
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "mtpkit_config.json").write_text('{"method": "mtpc", "base_model": "x"}')
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    args = {"missing": ["--data", str(tmp_path / "nope.jsonl")], "all_malformed": ["--data", str(bad)],
+            "bad_json_list": ["--data", str(broken)], "unknown_builtin": ["--data", "builtin:nope"],
+            "unknown_backbone": ["--backbone", "no-such-model"], "head_as_backbone": ["--backbone", str(head)],
+            "unwritable_out": ["--out", str(blocker / "x.jsonl")]}[case]
+    needle = {"missing": "nope.jsonl: no such file", "all_malformed": "bad.jsonl: no usable records",
+              "bad_json_list": "broken.json: not valid JSON at line 1", "unknown_builtin": "builtin:nope",
+              "unknown_backbone": "no-such-model", "head_as_backbone": "mtpkit mtpc head",
+              "unwritable_out": str(blocker)}[case]
+    with pytest.raises(SystemExit) as stop:
+        distill_mod.main(ARGS + ["--out", str(tmp_path / "out.jsonl")] + args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: ") and needle in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -143,3 +143,108 @@ def test_bench_forward_times_stock_and_packed(tmp_path, monkeypatch):
     assert json.loads(out.read_text())["cache"] == 8
     with pytest.raises(SystemExit):
         bench_forward.parse_args(["--reps", "1"])
+
+
+# --------------------------------------------------------------------------- outputs and bad inputs
+
+@pytest.mark.parametrize("out", ["r/results.md", "r/results.png", "r/results"])
+def test_out_must_be_a_json_path(out, capsys):
+    """--out x.md or x.png would be overwritten by the table or the plot: refused, naming --out."""
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", out])
+    err = capsys.readouterr().err
+    assert "--out must end in .json" in err and out in err
+
+
+def test_output_files_derive_from_the_json_path():
+    paths = bench.output_paths("runs/x/speed.json")
+    assert {k: str(v) for k, v in paths.items()} == {
+        "json": "runs/x/speed.json", "md": "runs/x/speed.md", "png": "runs/x/speed.png",
+        "tradeoff": "runs/x/speed_tradeoff.png"}
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("a model was loaded before --out was checked")
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "a-folder", "md-is-a-folder"])
+def test_an_unwritable_out_fails_before_any_model_is_loaded(tmp_path, monkeypatch, where):
+    monkeypatch.setattr(bench, "load_backbone", _no_model)
+    (tmp_path / "file").write_text("x")
+    out = {"under-a-file": tmp_path / "file" / "results.json", "a-folder": tmp_path / "results.json",
+           "md-is-a-folder": tmp_path / "results.json"}[where]
+    if where == "a-folder":
+        out.mkdir()
+    if where == "md-is-a-folder":
+        (tmp_path / "results.md").mkdir()
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--backbone", "tiny-llama-random", "--out", str(out)])
+    assert str(e.value).startswith(f"bench: --out {out}: cannot write there")
+
+
+def test_prompts_longer_than_the_context_are_skipped_with_a_warning(tmp_path, capsys):
+    """tiny-byte-llama-random: 4096 positions, one token per byte; a 5000-byte prompt cannot fit."""
+    data = tmp_path / "long.jsonl"
+    data.write_text("\n".join(json.dumps({"id": i, "turns": [text]})
+                              for i, text in enumerate(["short question?", "x" * 5000, "another one"])) + "\n")
+    out = tmp_path / "results.json"
+    args = ["--backbone", "tiny-byte-llama-random", "--data", str(data), "--max-new-tokens", "6", "--methods", "ar",
+            "--out", str(out)]
+    results = bench.main(args)
+    err = capsys.readouterr().err
+    assert f"1 of 3 prompts of {data} are longer than the model's context" in err and "skipped" in err
+    assert "4090 tokens" in err  # 4096 positions - 6 new tokens
+    assert len(results["methods"]["ar"]["outputs"]) == 2
+    data.write_text(json.dumps({"id": 0, "turns": ["y" * 5000]}) + "\n")
+    with pytest.raises(SystemExit, match="no prompt of --data .* fits the model's context"):
+        bench.main(args)
+
+
+# --------------------------------------------------------------------------- timing over rounds
+
+def test_rounds_repeat_the_interleaved_set_and_report_median_and_spread(tmp_path, monkeypatch):
+    calls = []
+    real_decode = bench.decode
+
+    def recording_decode(target, drafter, *args, **kwargs):
+        calls.append(type(drafter).__name__)
+        return real_decode(target, drafter, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "decode", recording_decode)
+    out = tmp_path / "results.json"
+    results = bench.main(["--backbone", "tiny-llama-random", "--data", "builtin:eval", "--per-category", "1",
+                          "--max-new-tokens", "6", "--methods", "ar", "pld", "--linear", "stock", "--rounds", "3",
+                          "--out", str(out)])
+    runs = calls[2:]  # after one warm-up call per method
+    assert len(runs) == 3 * 4 * 2  # rounds x prompts (one per category) x methods
+    firsts = [runs[r * 8] for r in range(3)]  # the method that opens each round
+    assert firsts == ["Drafter", "PLDDrafter", "Drafter"]  # the order rotates per round too
+    assert results["rounds"] == 3 and json.loads(out.read_text())["rounds"] == 3
+    assert set(results["machine"]) == {"cores", "load_mean", "load_max"} and results["machine"]["cores"] >= 1
+    for spec, r in results["methods"].items():
+        for entry in [r, *r["per_category"].values()]:
+            rounds = entry["speedup_vs_ar_rounds"]
+            lo, hi = entry["speedup_vs_ar_spread"]
+            assert len(rounds) == 3 and (lo, hi) == (min(rounds), max(rounds))
+            assert entry["speedup_vs_ar"] == round(sorted(rounds)[1], 4)  # the median
+    assert results["methods"]["ar"]["speedup_vs_ar_rounds"] == [1.0, 1.0, 1.0]
+    table = (tmp_path / "results.md").read_text()
+    assert "median over 3 round(s)" in table and "| spread |" in table
+    pld = results["methods"]["pld"]
+    lo, hi = pld["speedup_vs_ar_spread"]
+    assert f"| {lo:.2f}-{hi:.2f} |" in table
+
+
+def test_a_busy_machine_is_warned_about_in_json_table_and_plot(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (1000.0, 1000.0, 1000.0))
+    out = tmp_path / "results.json"
+    bench.main(["--backbone", "tiny-llama-random", "--data", "builtin:eval", "--per-category", "1",
+                "--max-new-tokens", "6", "--methods", "ar", "pld", "--linear", "stock", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert results["machine"]["load_mean"] == 1000.0
+    assert any(w.startswith("machine busy: load average 1000.00") for w in results["warnings"])
+    table = (tmp_path / "results.md").read_text()
+    assert table.startswith("WARNING: machine busy")
+    pld = results["methods"]["pld"]
+    assert f"| pld | {pld['tau']:.2f} | {pld['tokens_per_s']:.1f} | {pld['speedup_vs_ar']:.2f} ! |" in table
+    assert f"| ar | 1.00 | {results['methods']['ar']['tokens_per_s']:.1f} | 1.00 |" in table  # AR is 1 by definition

@@ -12,7 +12,7 @@ import mtpkit.eval.decoder as decoder_module
 from chisquare import chi2_pvalue
 from mtpkit.data.chat import load_examples, prompt_ids
 from mtpkit.eval.decoder import Target, decode, rollback_cache
-from mtpkit.models.generate import generate, target_probs
+from mtpkit.models.generate import generate
 from mtpkit.eval.verify import attention_inputs
 from mtpkit.models.drafter import Draft, Drafter
 from mtpkit.models.pld import PLDConfig, PLDDrafter
@@ -60,15 +60,19 @@ def tiny_case(request):
 def test_greedy_decode_equals_ar_generate(tiny_case, drafter_name):
     """Greedy speculative decoding with any drafter reproduces plain AR generation token for token."""
     target, tokenizer, prompts, refs = tiny_case
-    proposed = 0
+    proposed = accepted = 0
     for ids, ref in zip(prompts, refs):
         result = decode(target, DRAFTERS[drafter_name](), ids, NEW_TOKENS, eos_token_ids=[tokenizer.eos_token_id])
         assert result.tokens == ref, f"{drafter_name}: greedy decode diverges from AR generate"
         proposed += result.draft_nodes
+        accepted += sum(result.accept_counts)
         if drafter_name == "ar":
             assert result.draft_nodes == 0 and result.target_calls == len(ref)
     if drafter_name != "ar":
         assert proposed > 0, "the drafter never proposed anything: the tree path was not exercised"
+        # only an accepted draft's logits and cache rows reach the output: without one, a wrong
+        # verification would pass this test
+        assert accepted > 0, "no draft token was accepted: verification was not exercised"
 
 
 # --------------------------------------------------------------------------- 5. oracle drafter
@@ -216,6 +220,8 @@ def test_greedy_decode_equals_ar_on_the_default_backbone(smollm2):
     for drafter in [Drafter(), PLDDrafter(), ProbeDrafter(ProbeConfig(bc=10))]:
         result = decode(target, drafter, ids, 32, eos_token_ids=[tokenizer.eos_token_id])
         assert result.tokens == ref, f"{drafter.name}: greedy decode diverges from AR generate on smollm2"
+        if drafter.name != "ar":
+            assert sum(result.accept_counts) > 0, f"{drafter.name}: no draft accepted on smollm2"
 
 
 # --------------------------------------------------------------------------- 7. KV-cache rollback
@@ -309,28 +315,43 @@ class FixedChainDrafter(Drafter):
         return Draft.chain(self.tokens)
 
 
-def _exact_joint(target: Target, top_p: float) -> torch.Tensor:
+def _reference_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """softmax(logits / T) [V] restricted to the top-p nucleus, written out here rather than taken
+    from target_probs, so a wrong temperature or nucleus in the decoder's path cannot hide in the
+    reference too."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    if top_p < 1.0:
+        order = probs.argsort(descending=True)
+        sorted_probs = probs[order]
+        kept = order[sorted_probs.cumsum(0) - sorted_probs < top_p]
+        probs = torch.zeros_like(probs).index_copy(0, kept, probs[kept])
+        probs = probs / probs.sum()
+    return probs
+
+
+def _exact_joint(target: Target, top_p: float, temperature: float = 1.0) -> torch.Tensor:
     """[V, V] target probability of the first two generated tokens, by enumeration."""
     with torch.no_grad():
-        logits = lambda ids: target.model(input_ids=torch.tensor([ids])).logits[:, -1]
-        first = target_probs(logits(PROMPT), 1.0, top_p)[0]
-        second = torch.stack([target_probs(logits(PROMPT + [x]), 1.0, top_p)[0] for x in range(VOCAB)])
+        probs = lambda ids: _reference_probs(target.model(input_ids=torch.tensor([ids])).logits[0, -1], temperature, top_p)
+        first = probs(PROMPT)
+        second = torch.stack([probs(PROMPT + [x]) for x in range(VOCAB)])
     return first[:, None] * second
 
 
-def _two_token_counts(target, drafter, runs, top_p=1.0, seed=0) -> torch.Tensor:
+def _two_token_counts(target, drafter, runs, top_p=1.0, seed=0, temperature=1.0) -> torch.Tensor:
     """[V, V] counts of the first two tokens over `runs` sampled decodes."""
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.long)
     for _ in range(runs):
-        x1, x2 = decode(target, drafter, PROMPT, 2, temperature=1.0, top_p=top_p, generator=g).tokens
+        x1, x2 = decode(target, drafter, PROMPT, 2, temperature=temperature, top_p=top_p, generator=g).tokens
         counts[x1, x2] += 1
     return counts
 
 
-def _sampling_matches(target, drafter, runs=RUNS, top_p=1.0) -> bool:
+def _sampling_matches(target, drafter, runs=RUNS, top_p=1.0, temperature=1.0) -> bool:
     """True if sampled decodes pass a chi-square test (p = 0.001) against the exact joint."""
-    return chi2_pvalue(_two_token_counts(target, drafter, runs, top_p), _exact_joint(target, top_p)) > 1e-3
+    counts = _two_token_counts(target, drafter, runs, top_p, temperature=temperature)
+    return chi2_pvalue(counts, _exact_joint(target, top_p, temperature)) > 1e-3
 
 
 # unlike the target (about [0.49, 0.14, 0.01, 0.16, 0.20] after the prompt), so rejections are
@@ -354,16 +375,49 @@ def _wrong_verify_sampling(probs, children, tokens, draft_probs, generator=None)
         return path, node, int(torch.multinomial(p, 1, generator=generator))
 
 
-def test_speculative_sampling_is_exact_with_sampled_drafts(small_vocab_target):
-    """Chains drawn from q, verified by rejection sampling: the 2-token output is target-distributed."""
-    assert _sampling_matches(small_vocab_target, SampledChainDrafter(Q, seed=1)), \
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_speculative_sampling_is_exact_with_sampled_drafts(small_vocab_target, temperature):
+    """Chains drawn from q, verified by rejection sampling: the 2-token output is target-distributed
+    (at T = 0.7 too, where a temperature applied the wrong way changes the target)."""
+    assert _sampling_matches(small_vocab_target, SampledChainDrafter(Q, seed=1), temperature=temperature), \
         "speculative sampling output is not distributed as the target"
 
 
-def test_speculative_sampling_is_exact_with_deterministic_drafts(small_vocab_target):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_speculative_sampling_is_exact_with_deterministic_drafts(small_vocab_target, temperature):
     """Deterministic chains (q one-hot): the 2-token output is target-distributed."""
-    assert _sampling_matches(small_vocab_target, FixedChainDrafter([0, 1]), runs=1000), \
+    assert _sampling_matches(small_vocab_target, FixedChainDrafter([0, 1]), runs=1000, temperature=temperature), \
         "speculative sampling with deterministic drafts is not distributed as the target"
+
+
+class SampledTreeDrafter(Drafter):
+    """Proposes a tree: two siblings under the root drawn i.i.d. from q, a child of the first
+    drawn from q, and a deterministic third sibling (one-hot q), so recursive rejection sampling
+    walks siblings, residuals and depth 2 through the real decoder. Counts what it got accepted."""
+
+    def __init__(self, q: torch.Tensor, fixed: int, seed: int):
+        self.q, self.fixed, self.gen = q, fixed, torch.Generator().manual_seed(seed)
+        self.accepted = 0
+
+    def propose(self, tokens):
+        drawn = torch.multinomial(self.q, 3, replacement=True, generator=self.gen)
+        one_hot = torch.nn.functional.one_hot(torch.tensor(self.fixed), len(self.q)).float()
+        return Draft(tokens=torch.cat([drawn, torch.tensor([self.fixed])]), parents=torch.tensor([0, 0, 1, 0]),
+                     draft_probs=torch.stack([self.q, self.q, self.q, one_hot]))
+
+    def observe(self, step):
+        self.accepted += len(step.accepted)
+
+
+def test_speculative_sampling_through_the_decoder_is_exact_with_tree_drafts(small_vocab_target, temperature=0.7):
+    """Sampled trees with sibling drafts through decode() at T = 0.7: the output follows the target
+    joint, and drafts were accepted at both depths (so the residual after a rejected sibling mattered)."""
+    drafter = SampledTreeDrafter(Q, fixed=3, seed=4)
+    assert _sampling_matches(small_vocab_target, drafter, runs=1000, temperature=temperature), \
+        "speculative sampling over draft trees is not distributed as the target"
+    res = decode(small_vocab_target, drafter, PROMPT, 30, temperature=temperature,
+                 generator=torch.Generator().manual_seed(5))
+    assert drafter.accepted > 0 and len(res.accept_counts) == 2, res.accept_counts
 
 
 def test_speculative_sampling_is_exact_under_top_p(small_vocab_target):

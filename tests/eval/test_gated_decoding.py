@@ -30,6 +30,13 @@ def test_greedy_equals_ar(tiny, gated, decoding, sampler, k):
         got = decode(target, drafter, prompt, 24)
         assert got.tokens == want
         assert got.draft_nodes > 0  # the masks did speculate
+        # the random head's speculations are almost never accepted, and only accepted drafts
+        # test verification (their rows must be scored with the gate off): the same drafter, its
+        # speculations replaced by the AR continuation (corrupted at a random depth), must accept
+        oracle = OracleGated(want, GatedLoRADraftConfig(decoding=decoding, sampler=sampler, k=k), gated, seed)
+        got = decode(target, oracle, prompt, 24)
+        assert got.tokens == want
+        assert sum(got.accept_counts) > 0, "no speculation accepted: verification was not exercised"
 
 
 class OracleGated(GatedLoRADrafter):
@@ -104,9 +111,14 @@ def test_inference_form_matches_the_peft_form(tiny, tmp_path):
     # decoding (a contiguous gated suffix): same tokens as AR, and the same speculations as the peft form
     prompt = list(range(50, 58))
     for decoding in ("linear", "quadratic"):
-        outs = []
+        outs, oracles = [], []
+        want = decode(Target(base), Drafter(), prompt, 20).tokens
         for model in (trained, lean):
             drafter = GatedLoRADrafter(GatedLoRADraftConfig(decoding=decoding), model=model)
             outs.append(decode(Target(*drafter.adapt(None, {})), drafter, prompt, 20))
-        assert outs[0].tokens == outs[1].tokens == decode(Target(base), Drafter(), prompt, 20).tokens
+            oracle = OracleGated(want, GatedLoRADraftConfig(decoding=decoding), model, seed=3)  # accepts drafts
+            oracles.append(decode(Target(*oracle.adapt(None, {})), oracle, prompt, 20))
+        assert outs[0].tokens == outs[1].tokens == want
         assert outs[0].accept_counts == outs[1].accept_counts
+        assert oracles[0].tokens == oracles[1].tokens == want
+        assert oracles[0].accept_counts == oracles[1].accept_counts and sum(oracles[0].accept_counts) > 0

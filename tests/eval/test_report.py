@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mtpkit.eval.report import explain_mismatch, first_difference
+from mtpkit.eval.report import explain_mismatch, first_difference, markdown_table, timing_warnings, write_plot
 
 
 class FixedLogits:
@@ -29,3 +29,85 @@ def test_mismatch_at_a_near_tie_is_recognised_and_counted():
 def test_mismatch_without_a_tie_is_not_excused():
     real = explain_mismatch(FixedLogits([0.0, 3.0, 2.0, 1.0]), [7, 8], [1, 1, 2], [1, 1, 1])
     assert not real["near_tie"] and abs(real["top2_gap"] - 1.0) < 1e-6
+
+
+# --------------------------------------------------------------------------- timing warnings
+
+def _entry(tau, rounds):
+    """A method's (or category's) summary with per-round speed-ups, as summarise writes it."""
+    median = sorted(rounds)[len(rounds) // 2]
+    return {"tau": tau, "tokens_per_s": 100.0 * median, "speedup_vs_ar": median, "speedup_vs_ar_rounds": rounds,
+            "speedup_vs_ar_spread": [min(rounds), max(rounds)], "speedup_over_tau": median / tau if tau else None,
+            "matches_ar": True, "mismatches": 0, "near_tie_mismatches": 0}
+
+
+def _results(methods: dict, machine=None) -> dict:
+    for r in methods.values():
+        r["per_category"] = {"chat": dict(r)}
+    return {"methods": methods, "categories": ["chat"], "rounds": 3,
+            "machine": machine or {"cores": 8, "load_mean": 1.0, "load_max": 2.0}}
+
+
+def _row(table: str, spec: str) -> list[str]:
+    line = next(line for line in table.splitlines() if line.startswith(f"| {spec} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_steady_plausible_timings_raise_no_warning():
+    results = _results({"ar": _entry(1.0, [1.0, 1.0, 1.0]), "pld": _entry(1.5, [1.30, 1.32, 1.35])})
+    assert timing_warnings(results) == ([], set())
+    table = markdown_table(results)
+    assert "WARNING" not in table and "!" not in table
+    assert _row(table, "pld")[3:5] == ["1.32", "1.30-1.35"]
+
+
+def test_a_wide_spread_is_a_warning_and_marks_the_ratio():
+    results = _results({"ar": _entry(1.0, [1.0, 1.0, 1.0]), "pld": _entry(1.5, [1.0, 1.3, 1.4])})
+    warnings, flagged = timing_warnings(results)
+    assert any(w.startswith("pld: speed-up 1.30x varies 1.00-1.40x over 3 rounds") for w in warnings)
+    assert flagged == {("pld", None), ("pld", "chat")}
+    table = markdown_table(results)
+    assert table.startswith("WARNING: pld: speed-up 1.30x varies")
+    assert _row(table, "pld")[3] == "1.30 !"
+    assert "1.50 / 1.30 !" in table  # the per-category cell too
+
+
+def test_a_drafter_faster_than_its_tau_is_impossible_and_flagged_but_not_ar_on_other_kernels():
+    """The issue's probe at tau 1.17 and 1.88x AR; AR on stock kernels may well beat packed AR."""
+    results = _results({"ar": _entry(1.0, [1.0, 1.0, 1.0]), "ar_stock": _entry(1.0, [1.6, 1.6, 1.61]),
+                        "probe:bc=10": _entry(1.17, [1.87, 1.88, 1.89])})
+    warnings, flagged = timing_warnings(results)
+    assert warnings[0] == ("probe:bc=10: speed-up 1.88x at tau 1.17: speed-up / tau 1.61 > 1.05 is impossible "
+                           "(a verification step costs at least an AR step)")
+    assert flagged == {("probe:bc=10", None), ("probe:bc=10", "chat")}
+    table = markdown_table(results)
+    assert _row(table, "probe:bc=10")[3] == "1.88 !" and _row(table, "ar_stock")[3] == "1.60"
+    # an old summary (no rounds, no machine) is checked too, and no 1.88 stands bare anywhere
+    old = {k: v for k, v in results.items() if k not in ("rounds", "machine")}
+    assert timing_warnings(old)[1] == flagged
+    rows = [line for line in markdown_table(old).splitlines() if line.startswith("|")]
+    assert all("1.88 !" in line or "1.88" not in line for line in rows)
+
+
+def test_a_busy_machine_marks_every_speed_up_but_ar():
+    results = _results({"ar": _entry(1.0, [1.0, 1.0, 1.0]), "pld": _entry(1.5, [1.30, 1.32, 1.35])},
+                       machine={"cores": 2, "load_mean": 3.5, "load_max": 4.0})
+    warnings, flagged = timing_warnings(results)
+    assert warnings == ["machine busy: load average 3.50 (max 4.00) over the run exceeds its 2 cores; every "
+                        "speed-up is distorted by other processes"]
+    assert flagged == {("pld", None), ("pld", "chat")}
+    assert _row(markdown_table(results), "pld")[3] == "1.32 !"
+
+
+def test_the_plot_title_carries_the_warning(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    titles = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: titles.extend(ax.get_title() for ax in fig.axes))
+    clean = _results({"ar": _entry(1.0, [1.0, 1.0, 1.0]), "pld": _entry(1.5, [1.30, 1.32, 1.35])})
+    write_plot(clean, tmp_path / "a.png")
+    assert not any("WARNING" in t for t in titles) and any("median of 3 rounds" in t for t in titles)
+    titles.clear()
+    write_plot(_results({"ar": _entry(1.0, [1.0, 1.0, 1.0]), "pld": _entry(1.1, [1.3, 1.3, 1.3])}), tmp_path / "b.png")
+    assert any(t.startswith("WARNING: 2 timing warning(s)") for t in titles)

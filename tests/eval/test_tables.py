@@ -4,6 +4,7 @@ import re
 import pytest
 
 from mtpkit.eval import bench, tables
+from mtpkit.eval.report import timing_warnings
 
 BENCH_ARGS = ["--backbone", "tiny-llama-random", "--data", "builtin:eval", "--per-category", "1",
               "--max-new-tokens", "8", "--methods", "ar", "pld"]
@@ -36,8 +37,11 @@ def test_collect_keeps_the_summary_and_no_prompt_data(repo, bench_results):
     results = json.loads(bench_results.read_text())
     assert kept["command"].startswith("python eval/bench.py") and re.fullmatch(r"\d{4}-\d\d-\d\d", kept["date"])
     assert kept["config"] == results["config"] and list(kept["methods"]) == list(results["methods"])
+    for key in ("rounds", "machine", "warnings"):  # the timing's trustworthiness travels with it
+        assert kept[key] == results[key]
     for spec, r in results["methods"].items():
-        for key in ("tau", "tokens_per_s", "speedup_vs_ar", "matches_ar", "target_ms_per_call", "accept_counts"):
+        for key in ("tau", "tokens_per_s", "speedup_vs_ar", "speedup_vs_ar_spread", "matches_ar", "target_ms_per_call",
+                    "accept_counts"):
             assert kept["methods"][spec][key] == r[key]
         assert kept["methods"][spec]["per_category"]["code"]["tau"] == r["per_category"]["code"]["tau"]
     text = json.dumps(kept)
@@ -47,13 +51,14 @@ def test_collect_keeps_the_summary_and_no_prompt_data(repo, bench_results):
 def test_render_writes_the_results_numbers_and_the_command(repo, bench_results):
     assert tables.main(["--root", str(repo), "render"]) == 0
     results = json.loads(bench_results.read_text())
+    flagged = timing_warnings(results)[1]  # a timing warning's ratio carries a mark
     for path in (repo / "README.md", repo / "docs" / "page.md"):
         text = path.read_text()
         for spec, r in results["methods"].items():
             cells = row(text, spec)  # method | tau | tokens/s | speed-up vs AR | ...
             assert cells[1] == f"{r['tau']:.2f}"
             assert cells[2] == f"{r['tokens_per_s']:.1f}"
-            assert cells[3] == f"{r['speedup_vs_ar']:.2f}"
+            assert cells[3] == f"{r['speedup_vs_ar']:.2f}" + (" !" if (spec, None) in flagged else "")
             assert cells[-1] == ("yes" if r["matches_ar"] else cells[-1])
         assert "python eval/bench.py " + " ".join(BENCH_ARGS) in text
         assert "python eval/tables.py collect tiny" in text

@@ -83,3 +83,57 @@ def test_namespace_has_no_bare_packages(tmp_path):
     assert bare == "[]"
     for name in ("models", "data", "eval", "train"):
         assert f"'{name}'" not in top_level
+
+
+@pytest.fixture
+def model_folder(tiny, tmp_path):
+    model, tokenizer = tiny
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+def _fails_at_once(name, *needles):
+    started = time.perf_counter()
+    with pytest.raises(BackboneError) as err:
+        load_backbone(str(name))
+    assert time.perf_counter() - started < 5  # no trip to the Hub
+    text = str(err.value)
+    assert "\n" not in text and all(needle in text for needle in needles), text
+
+
+def test_a_head_folder_as_backbone_is_named_a_head(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the check must not rely on being offline
+    head = tmp_path / "ckpt" / "head"
+    head.mkdir(parents=True)
+    (head / "mtpkit_config.json").write_text('{"method": "mtpc", "base_model": "tiny-byte-llama-random"}')
+    (head / "head.safetensors").write_bytes(b"")
+    _fails_at_once(head, str(head), "mtpkit mtpc head for 'tiny-byte-llama-random'", "not a model")
+    _fails_at_once(tmp_path / "ckpt", "mtpkit mtpc head")  # a checkpoint-N/ holding head/
+
+
+def test_a_folder_without_config_json_says_what_it_holds(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "sub").mkdir()
+    _fails_at_once(tmp_path, str(tmp_path), "no config.json", "notes.txt, sub/")
+    _fails_at_once(tmp_path / "sub", "holds: nothing")
+
+
+def test_a_path_that_does_not_exist_is_not_sent_to_the_hub(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    _fails_at_once(tmp_path / "no" / "such", "no such folder")
+    _fails_at_once("./runs/no-such-model", "no such folder")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    _fails_at_once(tmp_path / "model.safetensors", "is a file")
+
+
+def test_a_truncated_model_file_is_named(model_folder):
+    weights = model_folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    _fails_at_once(model_folder, f"{weights} is truncated or corrupt")
+
+
+def test_a_broken_model_config_is_named(model_folder):
+    (model_folder / "config.json").write_text("{bad")
+    _fails_at_once(model_folder, f"backbone folder {model_folder}", "config.json")

@@ -10,10 +10,11 @@ from torch import nn
 
 from mtpkit.eval.decoder import Target, decode
 from mtpkit.models.drafter import Drafter
-from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
+from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig
 from mtpkit.models.gated_lora import GatedLoRALinear, load_head, save_head, to_inference
 from mtpkit.models.packed_linear import ONE_ROW_PACKED, PackedGroup, PackedLinear, fuse_siblings, onednn_available, pack_linears
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
+from tests.eval.test_gated_decoding import OracleGated
 from tests.models.test_gated_lora import make_gated
 
 
@@ -134,14 +135,21 @@ def test_packed_gated_rows_stay_the_base_and_greedy_equals_ar(tiny, tmp_path):
     assert torch.allclose(got2, alone2, atol=1e-4) and torch.equal(got2[:, :3], want[:, :3])  # rows before the first mask
 
     ar = Target(base)
+    probe_accepted = 0
     for seed in range(2):
         prompt = torch.randint(5, 400, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
         want = decode(ar, Drafter(), prompt, 24).tokens
         for decoding in ("linear", "quadratic"):
-            drafter = GatedLoRADrafter(GatedLoRADraftConfig(decoding=decoding, sampler=False), model=lean)
+            # the random head's own speculations are hardly ever accepted: the oracle replaces them
+            # by the AR continuation (corrupted at a random depth), so accepted drafts are verified
+            config = GatedLoRADraftConfig(decoding=decoding, sampler=False)
             for prefetch in (0, 64):  # logits row by row on demand, or every row of a step in one call
+                drafter = OracleGated(want, config, lean, seed)
                 got = decode(Target(*drafter.adapt(None, {}), prefetch_rows=prefetch), drafter, prompt, 24)
                 assert got.tokens == want and got.draft_nodes > 0
+                assert sum(got.accept_counts) > 0, "no draft accepted: verification was not exercised"
         probe = ProbeDrafter(ProbeConfig(bc=12))
         got = decode(ar, probe, prompt, 24)
         assert got.tokens == want and got.draft_nodes > 0
+        probe_accepted += sum(got.accept_counts)
+    assert probe_accepted > 0, "the probe's drafts were never accepted"

@@ -16,7 +16,7 @@ from mtpkit.data import distill
 from mtpkit.data.mtp import collate_mask_inputs, mask_inputs
 from mtpkit.models.backbone import load_backbone
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP, load_head
-from mtpkit.train import export, gated_lora
+from mtpkit.train import checkpoints, export, gated_lora
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--backbone", "tiny-llama-random", "--k", "2", "--rank", "4", "--max-length", "256", "--log-every", "1",
@@ -82,7 +82,7 @@ def test_accelerate_two_cpu_processes(data, tmp_path):
     assert len(steps(out / "metrics.jsonl")) == 4  # only the main process writes
     assert proc.stdout.count("[model]") == 1 and "2 process(es), MULTI_CPU" in proc.stdout
     state = out / "checkpoint-4" / "state"
-    assert (state / "random_states_0.pkl").is_file() and (state / "random_states_1.pkl").is_file()  # 2 ranks
+    assert all((state / f"rng_{rank}.{ext}").is_file() for rank in (0, 1) for ext in ("json", "safetensors"))
 
 
 def test_deepspeed_zero2_two_processes_and_resume(data, tmp_path):
@@ -97,25 +97,41 @@ def test_deepspeed_zero2_two_processes_and_resume(data, tmp_path):
     shards = sorted(p.name for p in (out / "checkpoint-2" / "state" / "pytorch_model").iterdir())
     assert [s for s in shards if s.startswith("zero_pp_rank")] == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # sharded
-    proc = launch([*common, "--max-steps", "4", "--resume", "auto"], tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *common, "--max-steps", "4",
+                           "--resume", "auto"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_DISABLE_RICH="1", PYTHONPATH=""))
+    assert proc.returncode != 0 and "--trust-checkpoint 1" in proc.stderr  # DeepSpeed's state is pickled
+    proc = launch([*common, "--max-steps", "4", "--resume", "auto", "--trust-checkpoint", "1"], tmp_path)
     assert "[resume]" in proc.stdout + proc.stderr
     assert_checkpoint(out, 4)
     assert [r["step"] for r in steps(out / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("layout", ["current", "earlier"])
-def test_resume_gives_the_same_losses(data, tmp_path, layout):
-    """4 steps straight == 2 steps + resume to 4. `earlier`: the checkpoint as the earlier layout
-    wrote it, with the LR scheduler pickled in state/ (custom_checkpoint_0.pkl): it still resumes."""
+def test_resume_gives_the_same_losses(data, tmp_path, layout, monkeypatch):
+    """4 steps straight == 2 steps + resume to 4. `current`: state/ of tensors and JSON only.
+    `earlier`: state/ as accelerate's save_state wrote it (pickles), with the LR scheduler the
+    earlier layout pickled (custom_checkpoint_0.pkl): refused without --trust-checkpoint 1, which
+    resumes it exactly."""
     common = [*TINY, "--data", str(data), "--eval-every", "0", "--save-every", "2", "--grad-accum", "2",
               "--warmup-steps", "3"]
     gated_lora.main([*common, "--output-dir", str(tmp_path / "a"), "--max-steps", "4"])
-    gated_lora.main([*common, "--output-dir", str(tmp_path / "b"), "--max-steps", "2"])
-    assert not (tmp_path / "b" / "checkpoint-2" / "state" / "custom_checkpoint_0.pkl").exists()
-    if layout == "earlier":
-        torch.save({"last_epoch": 2, "base_lrs": [5e-4]}, tmp_path / "b" / "checkpoint-2" / "state" /
-                   "custom_checkpoint_0.pkl")
-    gated_lora.main([*common, "--output-dir", str(tmp_path / "b"), "--max-steps", "4", "--resume", "auto"])
+    with monkeypatch.context() as m:
+        if layout == "earlier":
+            m.setattr(checkpoints, "save_state", lambda acc, trainable, opt, folder: acc.save_state(str(folder)))
+        gated_lora.main([*common, "--output-dir", str(tmp_path / "b"), "--max-steps", "2"])
+    state = tmp_path / "b" / "checkpoint-2" / "state"
+    files = sorted(p.name for p in state.iterdir())
+    resume = [*common, "--output-dir", str(tmp_path / "b"), "--max-steps", "4", "--resume", "auto"]
+    if layout == "current":
+        assert not any(f.endswith((".pkl", ".bin", ".pt")) for f in files), files
+    else:
+        assert "random_states_0.pkl" in files
+        torch.save({"last_epoch": 2, "base_lrs": [5e-4]}, state / "custom_checkpoint_0.pkl")
+        with pytest.raises(SystemExit, match="--trust-checkpoint 1"):
+            gated_lora.main(resume)
+        resume += ["--trust-checkpoint", "1"]
+    gated_lora.main(resume)
     a, b = steps(tmp_path / "a" / "metrics.jsonl"), steps(tmp_path / "b" / "metrics.jsonl")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for x, y in zip(a, b):

@@ -77,7 +77,8 @@ def test_torchrun_two_processes_checkpoint_resume_and_export(data, tmp_path):
     torchrun([*common, "--output-dir", str(resumed), "--resume", "auto"])
     for ckpt in ("checkpoint-2", "checkpoint-4"):
         for name in ("head/head.safetensors", "head/mtpkit_config.json", "trainer_state.json", "config.yaml",
-                     "state/model.safetensors", "state/optimizer.bin", "state/random_states_1.pkl"):
+                     "state/model.safetensors", "state/optimizer.safetensors", "state/optimizer.json",
+                     "state/rng_0.json", "state/rng_1.json", "state/rng_1.safetensors"):
             assert (straight / ckpt / name).is_file(), name
     a, b = steps(straight / "metrics.jsonl"), steps(resumed / "metrics.jsonl")
     assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["step"] for r in b] == [1, 2, 3, 4]
