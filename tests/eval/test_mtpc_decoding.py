@@ -10,7 +10,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from chisquare import chi2_pvalue
 from mtpkit.eval.decoder import Target, decode
-from mtpkit.models.generate import target_probs
 from mtpkit.models.drafter import Drafter
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
@@ -116,29 +115,33 @@ def small():
     return model
 
 
-def two_token_counts(target, drafter, runs):
+def two_token_counts(target, drafter, runs, temperature=1.0):
     g = torch.Generator().manual_seed(0)
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.long)
     for _ in range(runs):
-        x1, x2 = decode(target, drafter, PROMPT, 2, temperature=1.0, generator=g).tokens
+        x1, x2 = decode(target, drafter, PROMPT, 2, temperature=temperature, generator=g).tokens
         counts[x1, x2] += 1
     return counts
 
 
-def exact_two_token_joint(model):
+def exact_two_token_joint(model, temperature=1.0):
+    """p(x1, x2) = softmax(logits / T) twice, computed here (not with the decoder's target_probs,
+    so a temperature bug there cannot hide in the reference)."""
     with torch.no_grad():
-        logits = lambda ids: model(input_ids=torch.tensor([ids])).logits[:, -1]  # noqa: E731
-        first = target_probs(logits(PROMPT), 1.0, 1.0)[0]
-        second = torch.stack([target_probs(logits(PROMPT + [x]), 1.0, 1.0)[0] for x in range(VOCAB)])
+        probs = lambda ids: torch.softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].double() / temperature, -1)  # noqa: E731
+        first = probs(PROMPT)
+        second = torch.stack([probs(PROMPT + [x]) for x in range(VOCAB)])
     return first[:, None] * second
 
 
-@pytest.mark.parametrize("arch,L,cycle,units,verify", [
-    ("btree", 0, "alg2", "float32", "marginal"), ("hmm", 1, "alg2", "float32", "marginal"),
-    ("cp", 0, "bonus", "float32", "marginal"), ("cirkit", 0, "alg2", "float32", "marginal"),
-    ("btree", 1, "alg2", "bfloat16", "marginal"), ("btree", 0, "alg2", "int8", "marginal"),
-    ("ff", 0, "alg2", "int8", "marginal"), ("btree", 0, "alg2", "int8", "path"), ("cp", 0, "bonus", "float32", "path")])
-def test_speculative_sampling_with_a_circuit_draft_is_exact(small, monkeypatch, arch, L, cycle, units, verify):
+@pytest.mark.parametrize("arch,L,cycle,units,verify,T", [
+    ("btree", 0, "alg2", "float32", "marginal", 1.0), ("hmm", 1, "alg2", "float32", "marginal", 1.0),
+    ("cp", 0, "bonus", "float32", "marginal", 1.0), ("cirkit", 0, "alg2", "float32", "marginal", 1.0),
+    ("btree", 1, "alg2", "bfloat16", "marginal", 1.0), ("btree", 0, "alg2", "int8", "marginal", 1.0),
+    ("ff", 0, "alg2", "int8", "marginal", 1.0), ("btree", 0, "alg2", "int8", "path", 1.0),
+    ("cp", 0, "bonus", "float32", "path", 1.0),
+    ("btree", 0, "alg2", "float32", "marginal", 0.7), ("cp", 0, "bonus", "float32", "path", 0.7)])
+def test_speculative_sampling_with_a_circuit_draft_is_exact(small, monkeypatch, arch, L, cycle, units, verify, T):
     """units=bfloat16|int8: the units are products in lower precision, and the verifier must use
     the very q each byte was drawn from. verify=path: q is the unit the draft's latent path
     selected, never the prefix marginal (which is made to fail here)."""
@@ -150,10 +153,10 @@ def test_speculative_sampling_with_a_circuit_draft_is_exact(small, monkeypatch, 
         monkeypatch.setattr("mtpkit.models.mtpc.decode.LazyBTree.conditional", no_marginal)
         monkeypatch.setattr("mtpkit.models.mtpc.drafter.next_log_probs_posterior", no_marginal)
     drafter = MTPCDrafter(MTPCDraftConfig(seed=1, cycle=cycle, units=units, verify=verify), model=head)
-    counts = two_token_counts(target, drafter, 800)
-    assert chi2_pvalue(counts, exact_two_token_joint(small)) > 1e-3
+    counts = two_token_counts(target, drafter, 800, T)
+    assert chi2_pvalue(counts, exact_two_token_joint(small, T)) > 1e-3
     # the drafts were really sampled from the circuit and partly accepted
-    res = decode(target, drafter, PROMPT, 20, temperature=1.0, generator=torch.Generator().manual_seed(9))
+    res = decode(target, drafter, PROMPT, 20, temperature=T, generator=torch.Generator().manual_seed(9))
     assert res.draft_nodes > 0 and sum(res.accept_counts) > 0
 
 
