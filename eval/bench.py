@@ -52,7 +52,7 @@ from mtpkit.eval.decoder import PREFETCH_ROWS, Target, decode
 from mtpkit.eval.report import summarise, write_markdown, write_plot, write_tradeoff_plot
 from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
 from mtpkit.models.drafter import StockAR
-from mtpkit.models.heads import field_docs
+from mtpkit.models.heads import field_docs, write_atomic
 from mtpkit.models.packed_linear import LINEARS, pack_linears
 from mtpkit.models.registry import METHODS
 
@@ -288,7 +288,7 @@ def main(argv=None) -> dict:
     machine = {"cores": machine_cores(), "load_mean": round(statistics.mean(loads), 2), "load_max": round(max(loads), 2)}
     results = summarise(rounds, prompts, model, greedy=args.temperature <= 0, machine=machine)
     results["config"] = {k: v for k, v in vars(args).items() if k != "parsed"}
-    paths["json"].write_text(json.dumps(results, indent=1))
+    write_atomic(paths["json"], json.dumps(results, indent=1))
     table = write_markdown(results, paths["md"])
     write_plot(results, paths["png"])
     write_tradeoff_plot(results, paths["tradeoff"])

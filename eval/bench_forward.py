@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from mtpkit.models.backbone import DEFAULT_BACKBONE, load_backbone
+from mtpkit.models.heads import write_atomic
 from mtpkit.models.packed_linear import pack_linears
 
 
@@ -72,7 +73,7 @@ def main(argv=None) -> dict:
               "ratio_to_stock_first": {k: {t: v / base for t, v in d.items()} for k, d in ms.items()}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_atomic(out, json.dumps(result, indent=1))
     return result
 
 

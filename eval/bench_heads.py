@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from mtpkit.models.heads import write_atomic
 from mtpkit.models.mtpc.circuit_cirkit import CirkitCircuit
 from mtpkit.models.mtpc.circuits import ARCHS, CircuitParams, log_prob, num_inner, prefix_log_probs, sample
 
@@ -97,7 +98,7 @@ def main(argv=None) -> dict:
     print("\n".join(table))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        write_atomic(args.out, json.dumps(result, indent=2))
     return result
 
 

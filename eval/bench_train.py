@@ -24,6 +24,7 @@ from mtpkit.data.chat import IGNORE, load_examples, tokenize_chat
 from mtpkit.data.mtp import collate_mask_inputs, mask_inputs
 from mtpkit.models.backbone import DEFAULT_BACKBONE, load_backbone
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP
+from mtpkit.models.heads import write_atomic
 
 
 def parse_args(argv=None):
@@ -99,7 +100,7 @@ def main(argv=None) -> dict:
     result["ratio_gated_over_plain"] = result["gated_tokens_per_s"] / result["plain_lora_tokens_per_s"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_atomic(out, json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return result
 

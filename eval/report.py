@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from mtpkit.models.heads import write_atomic
+
 TIE_TOLERANCE = 1e-4  # top-2 target logits closer than this: a genuine floating-point near-tie
 # (max - min) / median of a speed-up over the rounds above this: the ratio is machine noise
 SPREAD_LIMIT = 0.10
@@ -198,7 +200,7 @@ def _spread_cell(r: dict) -> str:
 
 def write_markdown(results: dict, path: Path) -> str:
     text = markdown_table(results)
-    path.write_text(text)
+    write_atomic(path, text)
     return text
 
 

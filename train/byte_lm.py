@@ -42,6 +42,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mtpkit.data.bytes import build_corpus
 from mtpkit.data.chat import DataError
 from mtpkit.models.backbone import BYTE_LM, byte_tokenizer, cache_dir
+from mtpkit.models.heads import write_atomic
 from mtpkit.train import engine
 from mtpkit.train.checkpoints import save_checkpoint
 from mtpkit.train.config import NOT_EMPTY, Rule, at_least
@@ -260,7 +261,7 @@ def main(argv=None) -> dict:
                   "parameters": sum(p.numel() for p in lm.parameters())}
         folder = Path(cfg.output_dir) / "model"
         write_head(folder)
-        (folder.parent / "eval.json").write_text(json.dumps(result, indent=2))
+        write_atomic(folder.parent / "eval.json", json.dumps(result, indent=2))
         metrics.write(result)
         log("[eval] held-out bits per byte: " + ", ".join(
             f"{k.split('/', 1)[1]} {v:.3f}" for k, v in result.items() if k.startswith("bpb/")))
