@@ -6,19 +6,28 @@
 
 Methods (`name` or `name:key=value,key=value`; results are keyed by the full spec) are the entries of
 `mtpkit.models.registry.METHODS`; the list with every option and its default is printed at the end
-of `--help`. `ar` always runs (it is every speed-up's denominator). Every method, `ar` included, runs on the
-same target: with `--linear onednn` (the default where available) its linear layers use
-oneDNN's prepacked kernel, which on CPU costs about the same for 1-5 rows (see
-mtpkit.models.packed_linear); `--linear stock` keeps torch's default. Methods run interleaved prompt by
-prompt, in an order rotated per prompt, so machine drift hits all of them alike.
+of `--help`. `ar` always runs (it is every speed-up's denominator), and so does `hf_ar`
+(transformers' own `generate` on the untouched model: AR must not be slower than what a user
+gets from transformers). Every mtpkit method, `ar` included, runs on the same target: with
+`--linear auto` (the default) each of its products runs on the kernel measured fastest on this
+machine for the step's row count (`mtpkit.models.kernel_plan`: timed once per machine, model
+and dtype, then cached; `eval/bench_forward.py` prints the table), and `ar_stock` (the same
+decoder on torch's untouched layers) runs beside it as a check; `--linear onednn` puts every
+product on oneDNN's prepacked kernel (row-invariant); `--linear stock` keeps torch's layers.
+On a GPU nothing is packed. Methods run interleaved prompt by prompt, in an order rotated per
+prompt, so machine drift hits all of them alike.
 
 Timing: `--rounds R` runs the whole interleaved set (every prompt x every method) R times, the
 method order rotated per prompt and per round. Each timing is the median over the rounds and each
 speed-up keeps its min-max spread over them (`speedup_vs_ar_spread`). A speed-up is flagged (a
 `warnings` list in results.json, WARNING lines above the table, `!` after the ratio and in the
-plot) when its spread exceeds 10% of its median, when a drafter's speed-up / tau exceeds 1.05 (a
-verification step cannot cost less than an AR step on the same target), or when the machine's
-1-minute load average, sampled after every prompt, averages above its CPU count over the run.
+plot) when its spread exceeds 10% of its median; when a drafter's speed-up / tau exceeds 1 + that
+spread, or its k-row target step (`step cost vs AR`, measured in the run) costs less than AR's
+1-row step by more than the spread (a verification step cannot cost less than an AR step on the
+same target: AR is then not on its fastest path); when `hf_ar` or `ar_stock` is faster than `ar`
+by more than the spread; or when the machine's 1-minute load average, sampled after every
+prompt, averages above its CPU count + 0.5 over the run (the bench's own threads hold it near the
+CPU count). One round measures no spread, so every bound is then exact.
 
 Prompts longer than the model's context (max_position_embeddings - --max-new-tokens) are skipped,
 with a warning naming how many from which --data source (cut prompts would lose their chat
@@ -53,7 +62,8 @@ from mtpkit.eval.report import summarise, write_markdown, write_plot, write_trad
 from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
 from mtpkit.models.drafter import StockAR
 from mtpkit.models.heads import field_docs, write_atomic
-from mtpkit.models.packed_linear import LINEARS, pack_linears
+from mtpkit.models.kernel_plan import tune
+from mtpkit.models.packed_linear import LINEARS, onednn_available, pack_linears, packable
 from mtpkit.models.registry import METHODS
 
 
@@ -123,9 +133,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: %(default)s)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code")
     p.add_argument("--linear", choices=LINEARS, default="auto",
-                   help="the target's linear layers, for every method alike: onednn (prepacked oneDNN kernel, "
-                        "flat cost over 1-5 rows on CPU), stock (torch's F.linear), auto = onednn where "
-                        "available (default: %(default)s)")
+                   help="the target's linear layers, for every method alike: auto = per row count, the kernel "
+                        "measured fastest on this machine (stock / fused F.linear / oneDNN; cached per machine, "
+                        "model and dtype), onednn = oneDNN's prepacked kernel for every row count (row-invariant), "
+                        "stock = torch's layers untouched (default: %(default)s)")
+    p.add_argument("--retune", action="store_true",
+                   help="with --linear auto: measure the kernel plan again (and cache it) even if one is cached")
     p.add_argument("--fuse", type=int, choices=(0, 1), default=1,
                    help="on packed targets, compute each layer's q/k/v and gate/up projections as one product "
                         "(every method alike, AR included; a 1-row forward costs the same) (default: %(default)s)")
@@ -144,6 +157,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.auto_stock:
         args.methods.insert(1, "ar_stock")
         args.parsed.insert(1, parse_method("ar_stock"))
+    if "hf_ar" not in args.methods:
+        args.methods.insert(2 if args.auto_stock else 1, "hf_ar")
+        args.parsed.insert(2 if args.auto_stock else 1, parse_method("hf_ar"))
     if len(set(args.methods)) != len(args.methods):
         p.error("--methods lists the same spec twice")
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
@@ -240,6 +256,11 @@ def main(argv=None) -> dict:
     if not prompts:
         sys.exit(f"bench: no prompt of --data {' '.join(args.data)} fits the model's context "
                  f"({context} - --max-new-tokens {args.max_new_tokens})")
+    if args.auto_stock and not (onednn_available() and packable(model)):
+        # nothing will be packed (a GPU, or layers too small): the two ARs would be one
+        del args.parsed[args.methods.index("ar_stock")]
+        args.methods.remove("ar_stock")
+        args.auto_stock = False
     drafters, adapted, shared = {}, {}, {}
     for spec, (name, cfg) in zip(args.methods, args.parsed):
         if METHODS[name].drafter is not None:
@@ -251,12 +272,13 @@ def main(argv=None) -> dict:
     # packed only now: adapters (peft) wrap plain nn.Linear layers, and every method's target
     # (the shared model and each adapted copy) gets the same kernels
     stock = {id(a[0]) for spec, a in adapted.items() if isinstance(drafters[spec], StockAR)}
-    packed = sum(pack_linears(m, args.linear, fuse=bool(args.fuse)) for m in {id(model): model, **{id(a[0]): a[0] for a in adapted.values()}}
-                 .values() if id(m) not in stock)
-    if not packed and args.auto_stock:  # nothing large enough to pack: the two ARs would be one
-        drafters.pop("ar_stock"), adapted.pop("ar_stock"), shared.pop("ar_stock")
-        del args.parsed[args.methods.index("ar_stock")]
-        args.methods.remove("ar_stock")
+    # transformers' generate runs on the untouched model (what a user of transformers gets)
+    hf_model = next((a[0] for spec, a in adapted.items() if isinstance(drafters[spec], StockAR)), model)
+    distinct = {id(model): model, **{id(a[0]): a[0] for a in adapted.values()}}
+    to_pack = [m for m in distinct.values() if id(m) not in stock]
+    for m in to_pack:
+        pack_linears(m, args.linear, fuse=bool(args.fuse))
+    kernels = tune(model, [m for m in to_pack if m is not model], retune=args.retune) if args.linear == "auto" else None
     targets = {spec: Target(*a, prefetch_rows=args.prefetch_rows) for spec, a in adapted.items()}
     for spec in drafters:  # warm-up: first calls pay one-off costs
         decode(targets[spec], drafters[spec], prompts[0]["ids"], 8)
@@ -273,7 +295,7 @@ def main(argv=None) -> dict:
                 spec, (name, cfg) = args.methods[m], args.parsed[m]
                 generator = torch.Generator().manual_seed(args.seed + i)
                 if METHODS[name].drafter is None:
-                    run = run_hf(model, tokenizer, name, cfg, prompt["ids"], args, eos)
+                    run = run_hf(hf_model, tokenizer, name, cfg, prompt["ids"], args, eos)
                 else:
                     res = decode(targets[spec], drafters[spec], prompt["ids"], args.max_new_tokens, args.temperature,
                                  args.top_p, eos, generator)
@@ -288,6 +310,8 @@ def main(argv=None) -> dict:
     machine = {"cores": machine_cores(), "load_mean": round(statistics.mean(loads), 2), "load_max": round(max(loads), 2)}
     results = summarise(rounds, prompts, model, greedy=args.temperature <= 0, machine=machine)
     results["config"] = {k: v for k, v in vars(args).items() if k != "parsed"}
+    if kernels is not None:
+        results["kernels"] = {k: kernels[k] for k in ("machine", "rows", "plans", "measured_at", "load", "cached")}
     write_atomic(paths["json"], json.dumps(results, indent=1))
     table = write_markdown(results, paths["md"])
     write_plot(results, paths["png"])

@@ -1,12 +1,21 @@
-"""Cost of one target forward over T new tokens on a KV cache, torch's stock kernels against
-the packed ones (`mtpkit.models.packed_linear`), the two interleaved in one process so that
-machine drift hits both alike. Verification cost per step is what decides whether a drafter's
-tau turns into wall-clock speed-up.
+"""Cost of one target forward over T new tokens on a KV cache, per kernel choice, and the
+per-machine kernel plan that the bench and the decoder use.
 
     python eval/bench_forward.py --backbone smollm2-135m-instruct --cache 200 --tokens 1 2 3 5 8 16
 
-Prints a table of median milliseconds and of each cost divided by the stock 1-token cost, and
-writes it as JSON to --out.
+First the plan (`mtpkit.models.kernel_plan`): the table it was chosen from (median ms of the
+body forward and of the LM head under each kernel, per row count; `*` = chosen), from the
+per-machine cache, or measured now if there is none or with --retune (and then cached for the
+bench). Then whole forwards (body + LM head over every new row, as a decoding step computes
+them), interleaved in one process so that machine drift hits all alike:
+
+  stock   torch's own layers, untouched (what transformers runs)
+  onednn  every product on oneDNN's prepacked kernel (row-invariant)
+  tuned   the plan: each product on the kernel measured fastest for its row count
+
+Prints median ms and each cost divided by the stock 1-token cost (with the min-max spread over
+the timed rounds), and writes it as JSON to --out. A k-token step cheaper than the 1-token step
+of the same kernels is named in a WARNING: it means the 1-token path is not the fastest.
 """
 
 from __future__ import annotations
@@ -23,54 +32,87 @@ from tqdm import tqdm
 
 from mtpkit.models.backbone import DEFAULT_BACKBONE, load_backbone
 from mtpkit.models.heads import write_atomic
+from mtpkit.models.kernel_plan import CACHE_LEN, plan_table, tune
 from mtpkit.models.packed_linear import pack_linears
+
+DTYPES = ("float32", "bfloat16")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backbone", default=DEFAULT_BACKBONE, help="target model (default: %(default)s)")
-    p.add_argument("--cache", type=int, default=200, help="tokens already in the KV cache (default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations (default: %(default)s)")
+    p.add_argument("--cache", type=int, default=CACHE_LEN, help="tokens already in the KV cache (default: %(default)s)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 5, 8, 16],
                    help="new tokens per forward to time (default: %(default)s)")
     p.add_argument("--reps", type=int, default=9, help="timed rounds; the first 2 are warm-up (default: %(default)s)")
+    p.add_argument("--retune", action="store_true",
+                   help="measure the kernel plan again (and cache it) even if this machine has one")
     p.add_argument("--out", default="runs/bench_forward.json", help="JSON output (default: %(default)s)")
     args = p.parse_args(argv)
     if args.reps < 3 or args.cache < 1 or min(args.tokens) < 1:
         p.error("--reps must be >= 3, --cache and --tokens >= 1")
+    if Path(args.out).suffix != ".json":
+        p.error(f"--out must end in .json, got {args.out!r}")
     return args
 
 
 @torch.no_grad()
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    model, _ = load_backbone(args.backbone)
+    model, _ = load_backbone(args.backbone, dtype=args.dtype)
     model.eval()
-    packed = copy.deepcopy(model)
-    layers = pack_linears(packed, "onednn")
+    onednn = copy.deepcopy(model)
+    layers = pack_linears(onednn, "onednn")
+    tuned = copy.deepcopy(onednn)  # deepcopy keeps the groups (and their plans) per copy
+    record = tune(tuned, retune=args.retune)
+    if record is None:
+        raise SystemExit(f"bench_forward: {args.backbone} has no linear layer large enough to pack")
+    source = "cached" if record["cached"] else "measured now"
+    print(f"kernel plan for {args.backbone} ({args.dtype}) on {record['machine']['cpu']} "
+          f"({record['machine']['threads']} threads), {source} at {record['measured_at']}, load {record['load']}; "
+          f"median ms over {record['reps'] - 1} rounds on a {record['cache_len']}-token cache, * = chosen\n")
+    print(plan_table(record) + "\n")
+
     vocab = model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(0)
     cache = model(torch.randint(0, vocab, (1, args.cache), generator=gen), use_cache=True).past_key_values
-    kinds = {"stock": model, "packed": packed}
+    kinds = {"stock": model, "onednn": onednn, "tuned": tuned}
     times = {(k, t): [] for k in kinds for t in args.tokens}
-    for _ in tqdm(range(args.reps), desc="forwards", unit="round"):
+    for r in tqdm(range(args.reps), desc="forwards", unit="round"):
         for t in args.tokens:
             x = torch.randint(0, vocab, (1, t), generator=gen)
-            for kind, m in kinds.items():
+            order = list(kinds) if r % 2 == 0 else list(kinds)[::-1]
+            for kind in order:
                 c = copy.deepcopy(cache)
                 t0 = time.perf_counter()
-                m(x, past_key_values=c, use_cache=True, logits_to_keep=1)
+                kinds[kind](x, past_key_values=c, use_cache=True)  # logits of every new row, as a step needs
                 times[(kind, t)].append(time.perf_counter() - t0)
-    ms = {k: {t: 1000 * statistics.median(times[(k, t)][2:]) for t in args.tokens} for k in kinds}
+    kept = {key: [1000 * s for s in v[2:]] for key, v in times.items()}
+    ms = {k: {t: statistics.median(kept[(k, t)]) for t in args.tokens} for k in kinds}
+    spread = {k: {t: [min(kept[(k, t)]), max(kept[(k, t)])] for t in args.tokens} for k in kinds}
     base = ms["stock"][args.tokens[0]]
-    lines = [f"{args.backbone}, {args.cache}-token cache, {layers} packed layers; median ms (cost / stock "
-             f"{args.tokens[0]}-token)", "", "| kernels | " + " | ".join(f"{t} tok" for t in args.tokens) + " |",
-             "|---|" + "---|" * len(args.tokens)]
+    lines = [f"{args.backbone} ({args.dtype}), {args.cache}-token cache, {layers} packed layers; whole forwards, "
+             f"median ms over {args.reps - 2} rounds (cost / stock {args.tokens[0]}-token) [min-max ms]", "",
+             "| kernels | " + " | ".join(f"{t} tok" for t in args.tokens) + " |", "|---|" + "---|" * len(args.tokens)]
     for kind in kinds:
-        lines.append(f"| {kind} | " + " | ".join(f"{ms[kind][t]:.1f} ({ms[kind][t] / base:.2f})" for t in args.tokens)
-                     + " |")
-    print("\n".join(lines))
-    result = {"backbone": args.backbone, "cache": args.cache, "packed_layers": layers, "median_ms": ms,
-              "ratio_to_stock_first": {k: {t: v / base for t, v in d.items()} for k, d in ms.items()}}
+        lines.append(f"| {kind} | " + " | ".join(
+            f"{ms[kind][t]:.1f} ({ms[kind][t] / base:.2f}) [{spread[kind][t][0]:.1f}-{spread[kind][t][1]:.1f}]"
+            for t in args.tokens) + " |")
+    warnings = []
+    if 1 in args.tokens:
+        for kind in kinds:
+            cheaper = [t for t in args.tokens if t > 1 and ms[kind][t] < ms[kind][1]]
+            if cheaper:
+                warnings.append(f"WARNING: {kind}: a {cheaper[0]}-token forward ({ms[kind][cheaper[0]]:.1f} ms) is "
+                                f"cheaper than the 1-token one ({ms[kind][1]:.1f} ms): the 1-token path is not the "
+                                "fastest, so speed-ups over AR on these kernels are inflated")
+    print("\n".join(lines + [""] + warnings))
+    result = {"backbone": args.backbone, "dtype": args.dtype, "cache": args.cache, "packed_layers": layers,
+              "median_ms": ms, "spread_ms": spread,
+              "ratio_to_stock_first": {k: {t: v / base for t, v in d.items()} for k, d in ms.items()},
+              "plan": {k: v for k, v in record.items() if k != "cached"}, "plan_cached": record["cached"],
+              "warnings": warnings}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(result, indent=1))

@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mtpkit.eval.report import markdown_table
+from mtpkit.eval.report import markdown_table, timing_warnings
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path("docs") / "results"
@@ -45,7 +45,8 @@ METRICS = ("prompts", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_ar", 
            "speedup_vs_ar_rounds", "speedup_vs_stock_ar", "speedup_vs_stock_ar_spread", "tau",
            "target_calls", "accept_counts", "speedup_over_tau", "mean_step_ms", "target_ms_per_call",
            "decoder_overhead_share", "mean_forward_tokens", "mean_draft_nodes", "mu_lat", "mu_acc",
-           "max_tokens_per_s", "matches_ar", "mismatches", "near_tie_mismatches")
+           "max_tokens_per_s", "matches_ar", "mismatches", "near_tie_mismatches", "step_cost_vs_ar",
+           "step_cost_vs_ar_spread")
 BLOCK = re.compile(r"<!-- table:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /table:(?P=name) -->", re.DOTALL)
 OPENING = re.compile(r"<!-- table:([\w.-]+) -->")
 
@@ -62,8 +63,10 @@ def summary(results: dict) -> dict:
         entry["per_category"] = {cat: {k: c[k] for k in METRICS if k in c} for cat, c in r["per_category"].items()}
         methods[spec] = entry
     # timing over rounds and the machine's load (absent from results of older benches)
-    timing = {k: results[k] for k in ("rounds", "machine", "warnings") if k in results}
-    return {"config": results.get("config", {}), "categories": results["categories"], "methods": methods, **timing}
+    timing = {k: results[k] for k in ("rounds", "machine", "kernels") if k in results}
+    out = {"config": results.get("config", {}), "categories": results["categories"], "methods": methods, **timing}
+    out["warnings"] = timing_warnings(out)[0]  # by the rules the tables are rendered with
+    return out
 
 
 def collect(name: str, results_path: Path, command: str, root: Path = ROOT, date: str | None = None) -> Path:

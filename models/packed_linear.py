@@ -1,16 +1,20 @@
-"""Decoding-time linear layers on oneDNN's prepacked fp32 kernel (CPU).
+"""Decoding-time linear layers: each product on the kernel measured fastest for its row count.
 
-Why: speculative decoding feeds the target 2-16 tokens per step. On some CPUs (an AMD EPYC
-with torch's MKL build) `F.linear` on 2-5 rows costs 2-3x one row, so verifying a few tokens
-eats the gain; oneDNN with a prepacked weight costs about the same for 1-5 rows, and on one row
-it can be faster for a large weight (SmolLM2's 49152 x 576 LM head) but slower for a small one
-(its fixed cost per call is larger). Which kernel wins depends on the machine:
-`eval/bench_forward.py` measures both, and the bench's `ar_stock` shows whether packing made
-plain AR itself slower. One row of a packed weight
-below `ONE_ROW_PACKED` elements goes through torch's `F.linear`, everything else through
-oneDNN, and `pack_linears` leaves weights below `MIN_PACK` elements alone (per-call overhead
-dominates both kernels there). `eval/bench.py --linear auto` (the default) runs every method,
-plain AR included, on the packed target, and also AR on the stock one (`ar_stock`).
+Why: speculative decoding feeds the target 2-16 tokens per step, AR one. Which kernel is fastest
+for a given number of rows depends on the machine: on one 2-core Xeon torch's `F.linear` costs
+about the same for 1-3 rows and jumps at 4, while oneDNN with a prepacked weight stays flat over
+1-8 rows; on an AMD EPYC `F.linear` on 2-5 rows cost 2-3x one row. A rule fixed in code cannot
+be right everywhere, so `mtpkit.models.kernel_plan` times both kernels on the model itself for
+every row count the decoder uses and gives every group a plan (row count -> kernel); AR and
+every drafter then run on the same plan. Without a plan a group uses oneDNN for every row count.
+
+Kernels (`KERNELS`): `stock` is each member's own layer, as torch computes it unpacked (no
+fusion: on one row this can beat a fused product, whose outputs are strided views); `linear` is
+`F.linear` on the (stacked) weight; `onednn` is oneDNN's `_linear_pointwise` on the weight packed
+by `pack_rows`. All run fp32 and bf16 (in bf16 oneDNN
+was about 2x `F.linear` at every row count on an AVX512-BF16 Xeon: `eval/bench_forward.py
+--dtype bfloat16` measures it). `pack_linears` leaves weights below `MIN_PACK` elements alone
+(per-call overhead dominates both kernels there).
 
 One mechanism, `PackedGroup`: the product of one or more members' weights stacked row-wise
 (plus each gated LoRA member's A rows), packed again when a weight or bias changes in place,
@@ -22,13 +26,15 @@ Exactness: with the weight packed for a batch of 4 rows (`PACK_ROWS`), a row's o
 does not depend on how many rows are computed with it (tested; packed for 1 row it does), nor
 a column's on which other columns are stacked with it, on the CPUs and widths checked up to
 4096 inputs, except on an AMD EPYC at 1280 or 4096 inputs (any pack hint), where rows can
-differ in the last bits with the row count. A single row of a small weight goes through
-`F.linear` instead and can differ from the oneDNN result in the last bits, as torch's own
-1-row and many-row kernels already differ. Greedy decoding stays token for token equal to AR
-on the same packed target (tested).
+differ in the last bits with the row count. A plan that mixes kernels by row count computes an
+AR step and a verification step with different kernels, which can differ in the last bits, as
+torch's own 1-row and many-row kernels already do; greedy decoding stays token for token equal
+to AR on the same target except at floating-point near-ties (the bench names those). A plan of
+oneDNN only (`--linear onednn`) is row-invariant.
 
-Inference only: with gradients enabled, or a non-fp32/non-CPU input or weight, every member
-runs its own unpacked forward (`F.linear` on the same weight).
+Inference only: with gradients enabled, or a non-CPU input, or an input dtype other than the
+weights' (fp32 or bf16), every member runs its own unpacked forward (`F.linear` on the same
+weight).
 """
 
 from __future__ import annotations
@@ -38,9 +44,10 @@ import torch.nn.functional as F
 from torch import nn
 
 LINEARS = ("stock", "onednn", "auto")
+KERNELS = ("stock", "linear", "onednn")  # what a plan chooses from, per row count
 PACK_ROWS = 4  # oneDNN picks its kernel by this batch hint; 4 gives row-invariant results
 MIN_PACK = 1 << 16  # elements: smaller weights stay nn.Linear
-ONE_ROW_PACKED = 1 << 22  # elements: one row of a smaller (stacked) weight goes through F.linear
+DTYPES = (torch.float32, torch.bfloat16)  # what the packed kernels run
 
 # projections that read the same input, in the order the layer calls them (Llama, Mistral, Qwen,
 # SmolLM: attention's q/k/v, the MLP's gate/up)
@@ -52,7 +59,7 @@ def onednn_available() -> bool:
 
 
 def pack_rows(weight: torch.Tensor) -> torch.Tensor:
-    """A [out, in] fp32 weight in oneDNN's layout for `packed_forward`."""
+    """A [out, in] fp32 or bf16 weight in oneDNN's layout for `packed_forward`."""
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
 
@@ -81,10 +88,13 @@ class PackedGroup:
     `Gate.select`/`Gate.scatter`. Ungated rows are W x exactly. Each member gets its own columns
     (a view); a group of one returns the product itself.
 
-    Kernel: oneDNN on the weight packed by `pack_rows`, except one row of a stacked weight below
-    `ONE_ROW_PACKED` elements, which goes through `F.linear` on the stacked weight. A member's
-    weight or bias changed in place is packed again at the next call. Not usable (gradients on,
-    or a non-fp32 or non-CPU input or weight): each member runs its own `unpacked` forward.
+    Kernel: `plan[min(rows, len(plan)) - 1]` for a call over `rows` rows (`KERNELS`: `stock` =
+    each member's own `unpacked` forward, torch's layer exactly; `linear` = `F.linear` on the
+    stacked weight; `onednn` = oneDNN on the weight packed by `pack_rows`); no plan = oneDNN for
+    every row count. `mtpkit.models.kernel_plan` measures and sets the plans.
+    A member's weight or bias changed in place is packed again at the next call. Not usable
+    (gradients on, a non-CPU input, or an input dtype other than the weights' fp32 or bf16): each
+    member runs its own `unpacked` forward.
 
     Why fuse: on this CPU a decoding forward of a few rows costs about the same per product
     whatever its width, so 7 products per layer cost visibly more than 4 (SmolLM2-135M, 9 rows on
@@ -106,6 +116,7 @@ class PackedGroup:
             start += b.out_features
         self.out_features = start
         self.single = len(members) == 1
+        self.plan = None  # kernel per row count (index rows - 1); sets stock_numel
         self.version = None  # `_version`s of the tracked tensors when last packed
         self.input, self.input_version, self.output = None, -1, None
         for i, m in enumerate(members):
@@ -114,10 +125,34 @@ class PackedGroup:
 
     def usable(self, x: torch.Tensor) -> bool:
         """Whether this group computes forward(x) (else each member runs `unpacked`)."""
-        return (not torch.is_grad_enabled() and x.dtype == torch.float32 and x.is_cpu
-                and all(w.dtype == torch.float32 for w in self.weights))
+        return (not torch.is_grad_enabled() and x.is_cpu and x.dtype in DTYPES
+                and x.dtype is self.weights[0].dtype)
+
+    @property
+    def plan(self) -> tuple[str, ...] | None:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: tuple[str, ...] | None) -> None:
+        self._plan = None if plan is None else tuple(plan)
+        if plan is not None and any(k not in KERNELS for k in plan):
+            raise ValueError(f"a kernel plan holds only {KERNELS}, got {plan!r}")
+        rows = 0  # the leading row counts planned `stock`: a `PackedLinear` call over at most
+        while plan is not None and rows < len(plan) and plan[rows] == "stock":  # these many input
+            rows += 1  # elements is F.linear itself, with no dispatch at all (AR's 1-row step)
+        if plan is not None and rows == len(plan):
+            rows = float("inf")
+        self.stock_numel = rows * self.weights[0].shape[1]
+
+    def kernel(self, rows: int) -> str:
+        """The kernel of a call over `rows` rows."""
+        plan = self.plan
+        return "onednn" if plan is None else plan[min(rows, len(plan)) - 1]
 
     def _pack(self) -> None:
+        if len({w.dtype for w in self.weights}) > 1:
+            raise ValueError(f"a packed group's members have different dtypes {sorted({str(w.dtype) for w in self.weights})}; "
+                             "cast the whole model, not single layers")
         with torch.no_grad():
             rows = [w.detach() for w in self.weights] + [At.t() for At, _ in self.lora]
             self.weight = rows[0] if len(rows) == 1 else torch.cat(rows)  # [out (+ R), in]
@@ -130,13 +165,12 @@ class PackedGroup:
                 self.bias = parts[0] if len(parts) == 1 else torch.cat(parts)
             self.B = torch.block_diag(*[Bt for _, Bt in self.lora]) if self.lora else None  # [R, out]
             self.packed = pack_rows(self.weight)
-            self.one_row_linear = self.weight.numel() < ONE_ROW_PACKED
         self.version = [t._version for t in self.tracked]
 
-    def _compute(self, x: torch.Tensor) -> torch.Tensor:
+    def _compute(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
         if [t._version for t in self.tracked] != self.version:
             self._pack()
-        if self.one_row_linear and x.numel() == x.shape[-1]:
+        if kernel == "linear":
             y = F.linear(x, self.weight, self.bias)
         else:
             y = packed_forward(x, self.packed, self.bias)
@@ -153,12 +187,16 @@ class PackedGroup:
         return y[..., :O] + gate.scatter(gate.select(y[..., O:]) @ self.B, y[..., :O])
 
     def __call__(self, x: torch.Tensor, member: nn.Module) -> torch.Tensor:
-        if not self.usable(x):
+        if torch.is_grad_enabled() or x.dtype is not self.weights[0].dtype or x.dtype not in DTYPES or not x.is_cpu:
+            return member.unpacked(x)  # = not self.usable(x), inlined: this runs for every layer of every step
+        plan = self.plan
+        kernel = "onednn" if plan is None else plan[min(x.numel() // x.shape[-1], len(plan)) - 1]
+        if kernel == "stock":
             return member.unpacked(x)
         if self.single:
-            return self._compute(x)
+            return self._compute(x, kernel)
         if self.input is not x or self.input_version != x._version:
-            self.output = self._compute(x)
+            self.output = self._compute(x, kernel)
             self.input, self.input_version = x, x._version
         lo, hi = self.bounds[member.index]
         return self.output[..., lo:hi]
@@ -178,6 +216,8 @@ class PackedLinear(nn.Module):
         PackedGroup([self])  # sets self.group, self.index, self.siblings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= self.group.stock_numel:  # planned `stock` (an AR step, say): the layer itself
+            return F.linear(x, self.weight, self.bias)
         return self.group(x, self)
 
     def unpacked(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,7 +228,7 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, linear: str = "auto", min_numel: int | None = None, fuse: bool = True) -> int:
-    """Swap every fp32 CPU `nn.Linear` of `model` with at least `min_numel` weights (in place)
+    """Swap every fp32 or bf16 CPU `nn.Linear` of `model` with at least `min_numel` weights (in place)
     for a `PackedLinear` (default `MIN_PACK`); returns how many. A gated LoRA linear whose base
     got packed becomes a group of one with its A rows. With `fuse`, the sibling projections of
     one input then become one group each (`fuse_siblings`); without, every group has one member.
@@ -201,10 +241,7 @@ def pack_linears(model: nn.Module, linear: str = "auto", min_numel: int | None =
         return 0
     if not onednn_available():
         raise ValueError("linear=onednn: this torch build has no oneDNN (torch.backends.mkldnn)")
-    min_numel = MIN_PACK if min_numel is None else min_numel
-    swaps = [(name, m) for name, m in model.named_modules()
-             if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
-             and m.weight.numel() >= min_numel]
+    swaps = packable(model, min_numel)
     for name, module in swaps:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, PackedLinear(module))
@@ -214,6 +251,15 @@ def pack_linears(model: nn.Module, linear: str = "auto", min_numel: int | None =
     if fuse:
         fuse_siblings(model)
     return len(swaps)
+
+
+def packable(model: nn.Module, min_numel: int | None = None) -> list[tuple[str, nn.Linear]]:
+    """The (name, layer) of every `nn.Linear` of `model` that `pack_linears` would swap: fp32 or
+    bf16, on the CPU, at least `min_numel` weights (default `MIN_PACK`). None on a GPU."""
+    min_numel = MIN_PACK if min_numel is None else min_numel
+    return [(name, m) for name, m in model.named_modules()
+            if type(m) is nn.Linear and m.weight.dtype in DTYPES and m.weight.device.type == "cpu"
+            and m.weight.numel() >= min_numel]
 
 
 def fuse_siblings(model: nn.Module, groups=SIBLINGS) -> int:

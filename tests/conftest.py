@@ -9,6 +9,17 @@ from mtpkit.models.backbone import load_backbone
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernel_cache(tmp_path_factory):
+    """Kernel plans measured by the tests go to a temporary folder, not the user's cache, and time
+    one step per sample (a tiny model would otherwise average ~30 steps per sample)."""
+    folder = tmp_path_factory.mktemp("kernels")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MTPKIT_KERNEL_CACHE", str(folder))
+        mp.setattr("mtpkit.models.kernel_plan.MIN_SAMPLE_S", 0.0)
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def tiny():
     return load_backbone("tiny-llama-random")

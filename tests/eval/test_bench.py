@@ -30,7 +30,8 @@ def test_help_explains_every_flag(capsys):
         bench.parse_args(["--help"])
     text = capsys.readouterr().out
     for flag in ("--backbone", "--data", "--limit", "--per-category", "--methods", "--max-new-tokens",
-                 "--temperature", "--top-p", "--seed", "--dtype", "--out", "--trust-remote-code", "--linear"):
+                 "--temperature", "--top-p", "--seed", "--dtype", "--out", "--trust-remote-code", "--linear",
+                 "--retune", "--rounds", "--fuse", "--prefetch-rows"):
         assert flag in text
     for method in bench.METHODS:
         assert method in text
@@ -38,6 +39,8 @@ def test_help_explains_every_flag(capsys):
 
 def test_bench_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
     monkeypatch.setattr("mtpkit.models.packed_linear.MIN_PACK", 0)  # pack even the tiny layers
+    hf_models, run_hf = [], bench.run_hf
+    monkeypatch.setattr(bench, "run_hf", lambda model, *a: hf_models.append(model) or run_hf(model, *a))
     data = tmp_path / "specbench.jsonl"
     records = [{"question_id": i, "category": cat, "turns": [text]} for i, (cat, text) in enumerate([
         ("coding", "def add(a, b):\n    return a + b\n\nWrite a test for add."),
@@ -69,6 +72,13 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
     # main table, per-cycle (MTPC metrics) table, per-category table; hf_ar has no cycles
     assert (out.parent / "results.md").read_text().count("| probe:bc=10 |") == 3
     assert (out.parent / "results.md").read_text().count("| hf_ar |") == 2
+    # the kernel plan measured for this target, every method's step cost against AR's, and AR
+    # against transformers' generate, which ran on the untouched model
+    kernels = results["kernels"]
+    assert set(kernels["plans"]) == {"body", "head"} and len(kernels["plans"]["body"]) == max(kernels["rows"])
+    assert methods["probe:bc=10"]["step_cost_vs_ar"] > 0 and "step cost vs AR" in (out.parent / "results.md").read_text()
+    assert "AR baseline:" in (out.parent / "results.md").read_text()
+    assert not any(type(m).__name__ == "PackedLinear" for m in hf_models[0].modules())
     assert ar["mu_acc"] == 0.0 and methods["probe:bc=10"]["mu_lat"] > 0
     assert (out.parent / "results.png").stat().st_size > 1000
     assert (out.parent / "results_tradeoff.png").stat().st_size > 1000
@@ -95,7 +105,7 @@ def test_bench_runs_a_gated_lora_head(tmp_path):
     bench.main(["--backbone", "tiny-llama-random", "--data", "builtin:eval", "--per-category", "1",
                 "--max-new-tokens", "12", "--methods", *specs, "--out", str(out), "--linear", "stock"])
     methods = json.loads(out.read_text())["methods"]
-    assert list(methods) == ["ar", *specs]  # stock kernels: no second AR
+    assert list(methods) == ["ar", "hf_ar", *specs]  # stock kernels: no second AR; transformers' generate always
     assert "speedup_vs_stock_ar" not in methods["ar"]
     for spec in specs:
         assert methods[spec]["matches_ar"] is True
@@ -117,7 +127,7 @@ def test_bench_runs_mtpc_heads(tmp_path):
     bench.main(["--backbone", "tiny-byte-llama-random", "--data", "builtin:eval", "--per-category", "1",
                 "--max-new-tokens", "12", "--methods", *specs, "--out", str(out)])
     methods = json.loads(out.read_text())["methods"]
-    assert list(methods) == ["ar", *specs]  # no layer large enough to pack: no second AR
+    assert list(methods) == ["ar", "hf_ar", *specs]  # no layer large enough to pack: no second AR
     for spec in specs:
         assert methods[spec]["matches_ar"] is True
         assert methods[spec]["mean_draft_nodes"] > 0 and methods[spec]["max_tokens_per_s"] > 0
@@ -130,15 +140,20 @@ def test_bench_rejects_a_missing_head(tmp_path, capsys):
     assert "mtpkit_config.json" in str(e.value)
 
 
-def test_bench_forward_times_stock_and_packed(tmp_path, monkeypatch):
+def test_bench_forward_times_stock_onednn_and_the_plan(tmp_path, monkeypatch):
     from mtpkit.eval import bench_forward
 
     monkeypatch.setattr("mtpkit.models.packed_linear.MIN_PACK", 0)  # pack even the tiny layers
     out = tmp_path / "fwd.json"
     res = bench_forward.main(["--backbone", "tiny-llama-random", "--cache", "8", "--tokens", "1", "3",
-                              "--reps", "3", "--out", str(out)])
+                              "--reps", "3", "--retune", "--out", str(out)])
     assert res["packed_layers"] > 0
-    assert set(res["median_ms"]) == {"stock", "packed"} and all(v > 0 for v in res["median_ms"]["packed"].values())
+    assert set(res["median_ms"]) == {"stock", "onednn", "tuned"} and all(v > 0 for v in res["median_ms"]["tuned"].values())
+    plan = res["plan"]  # the table the plan came from: every body/head kernel pair at every row count
+    assert len(plan["median_ms"]) == 6 and all(set(t) == set(plan["rows"]) for t in plan["median_ms"].values())
+    assert len(plan["plans"]["body"]) == max(plan["rows"]) and not res["plan_cached"]
+    assert bench_forward.main(["--backbone", "tiny-llama-random", "--cache", "8", "--tokens", "1", "--reps", "3",
+                               "--out", str(out)])["plan_cached"]  # the second run reads the cache
     assert res["ratio_to_stock_first"]["stock"][1] == 1.0
     assert json.loads(out.read_text())["cache"] == 8
     with pytest.raises(SystemExit):
@@ -218,7 +233,8 @@ def test_rounds_repeat_the_interleaved_set_and_report_median_and_spread(tmp_path
     runs = calls[2:]  # after one warm-up call per method
     assert len(runs) == 3 * 4 * 2  # rounds x prompts (one per category) x methods
     firsts = [runs[r * 8] for r in range(3)]  # the method that opens each round
-    assert firsts == ["Drafter", "PLDDrafter", "Drafter"]  # the order rotates per round too
+    # ar, hf_ar (not a decode call), pld: rotated by one per round -> ar / hf_ar, pld / pld, ar
+    assert firsts == ["Drafter", "PLDDrafter", "PLDDrafter"]  # the order rotates per round too
     assert results["rounds"] == 3 and json.loads(out.read_text())["rounds"] == 3
     assert set(results["machine"]) == {"cores", "load_mean", "load_max"} and results["machine"]["cores"] >= 1
     for spec, r in results["methods"].items():

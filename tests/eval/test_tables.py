@@ -42,7 +42,7 @@ def test_collect_keeps_the_summary_and_no_prompt_data(repo, bench_results):
     for spec, r in results["methods"].items():
         for key in ("tau", "tokens_per_s", "speedup_vs_ar", "speedup_vs_ar_spread", "matches_ar", "target_ms_per_call",
                     "accept_counts"):
-            assert kept["methods"][spec][key] == r[key]
+            assert kept["methods"][spec].get(key) == r.get(key)  # hf_ar has no target calls
         assert kept["methods"][spec]["per_category"]["code"]["tau"] == r["per_category"]["code"]["tau"]
     text = json.dumps(kept)
     assert "outputs" not in text and "output_ids" not in text and "prompt_ids" not in text
@@ -56,7 +56,7 @@ def test_render_writes_the_results_numbers_and_the_command(repo, bench_results):
         text = path.read_text()
         for spec, r in results["methods"].items():
             cells = row(text, spec)  # method | tau | tokens/s | speed-up vs AR | ...
-            assert cells[1] == f"{r['tau']:.2f}"
+            assert cells[1] == ("-" if r["tau"] is None else f"{r['tau']:.2f}")  # hf_ar: no tau
             assert cells[2] == f"{r['tokens_per_s']:.1f}"
             assert cells[3] == f"{r['speedup_vs_ar']:.2f}" + (" !" if (spec, None) in flagged else "")
             assert cells[-1] == ("yes" if r["matches_ar"] else cells[-1])
