@@ -165,12 +165,6 @@ def _spread_of(r: dict, key: str = "speedup_vs_ar") -> float | None:
     return (spread[1] - spread[0]) / r[key]
 
 
-def _tolerance(c: dict) -> float:
-    """How far a ratio may sit beyond its bound before it is flagged: the measured relative spread
-    of the speed-up over the rounds (0 with one round: nothing measured it)."""
-    return _spread_of(c) or 0.0
-
-
 def timing_warnings(results: dict) -> tuple[list[str], set]:
     """(warning lines, flagged) for a results dict (new or old summaries alike): a line per
     untrustworthy timing, and the (spec, category or None) of every speed-up one applies to."""
@@ -187,7 +181,7 @@ def timing_warnings(results: dict) -> tuple[list[str], set]:
             where = spec if cat is None else f"{spec} [{cat}]"
             reasons = []
             spread = _spread_of(c)
-            tol = _tolerance(c)
+            tol = spread or 0.0  # how far a ratio may pass its bound: the measured spread (none: exact)
             if spread is not None and spread > SPREAD_LIMIT:
                 lo, hi = c["speedup_vs_ar_spread"]
                 reasons.append(f"speed-up {c['speedup_vs_ar']:.2f}x varies {lo:.2f}-{hi:.2f}x over "

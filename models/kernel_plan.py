@@ -262,8 +262,7 @@ def plan_table(record: dict) -> str:
     plans = record["plans"]
     lines = ["| body / head kernels | " + " | ".join(f"{m} rows" for m in rows) + " |", "|---|" + "---|" * len(rows)]
     for name, by_m in record["median_ms"].items():
-        chosen = [combo_name(plans["body"][m - 1], plans["head"][m - 1] if "head" in plans else "stock") == name
-                  for m in rows]
+        chosen = [combo_name(plans["body"][m - 1], plans["head"][m - 1]) == name for m in rows]
         lines.append(f"| {name} | " + " | ".join(f"{by_m[m]:.2f}" + ("*" if c else "") for m, c in zip(rows, chosen))
                      + " |")
     return "\n".join(lines)

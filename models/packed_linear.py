@@ -134,9 +134,9 @@ class PackedGroup:
 
     @plan.setter
     def plan(self, plan: tuple[str, ...] | None) -> None:
-        self._plan = None if plan is None else tuple(plan)
         if plan is not None and any(k not in KERNELS for k in plan):
             raise ValueError(f"a kernel plan holds only {KERNELS}, got {plan!r}")
+        self._plan = None if plan is None else tuple(plan)
         rows = 0  # the leading row counts planned `stock`: a `PackedLinear` call over at most
         while plan is not None and rows < len(plan) and plan[rows] == "stock":  # these many input
             rows += 1  # elements is F.linear itself, with no dispatch at all (AR's 1-row step)
@@ -187,10 +187,7 @@ class PackedGroup:
         return y[..., :O] + gate.scatter(gate.select(y[..., O:]) @ self.B, y[..., :O])
 
     def __call__(self, x: torch.Tensor, member: nn.Module) -> torch.Tensor:
-        if torch.is_grad_enabled() or x.dtype is not self.weights[0].dtype or x.dtype not in DTYPES or not x.is_cpu:
-            return member.unpacked(x)  # = not self.usable(x), inlined: this runs for every layer of every step
-        plan = self.plan
-        kernel = "onednn" if plan is None else plan[min(x.numel() // x.shape[-1], len(plan)) - 1]
+        kernel = self.kernel(x.numel() // x.shape[-1]) if self.usable(x) else "stock"
         if kernel == "stock":
             return member.unpacked(x)
         if self.single:

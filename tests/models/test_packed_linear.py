@@ -63,6 +63,7 @@ def test_a_plan_picks_the_kernel_by_row_count():
     assert torch.equal(packed(x[:, :7]), torch.nn.functional.linear(x, lin.weight, lin.bias))  # beyond: the last
     with pytest.raises(ValueError, match="a kernel plan holds only"):
         packed.group.plan = ("stock", "fast")
+    assert packed.group.plan == ("stock", "linear", "onednn", "linear")  # a refused plan is not kept
     # planned `stock` rows skip the group entirely (no dispatch on AR's step); other rows go through it
     calls = []
     packed.group.__class__ = type("Counting", (PackedGroup,), {"__call__": lambda g, x, m: calls.append(x.shape)
