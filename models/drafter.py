@@ -27,13 +27,16 @@ import torch
 class Draft:
     """A draft tree for one verifier step.
 
-    tokens:        [N] draft tokens.
-    parents:       [N] parent of each draft node (0 = root, j = draft node j).
+    tokens:        [N] draft tokens, on the CPU or the target's device (a drafter's argmax can
+                   stay there: the decoder reads them with its acceptance decision).
+    parents:       [N] parent of each draft node (0 = root, j = draft node j); on the CPU (the
+                   tree's shape is host data: the decoder reads it without a device sync).
     draft_probs:   [N, V] the drafter's distribution each token was drawn from, given its
                    parent's path; None means the tokens were chosen deterministically
                    (top-k, n-gram match), which speculative sampling treats as one-hot.
     extra_embeds:  [M, d] input embeddings of extra nodes (e.g. mask tokens), or None.
-    extra_parents: [M] parent of each extra node, indexing the whole step (root, drafts, extras).
+    extra_parents: [M] parent of each extra node, indexing the whole step (root, drafts, extras);
+                   on the CPU, as `parents`.
     """
     tokens: torch.Tensor
     parents: torch.Tensor
@@ -73,6 +76,9 @@ class StepOutput:
                 the whole prompt at the first step).
     shared_hidden: [context_len + Q - 1, d] hidden states after layer `Drafter.shared_layer` for
                 every position of the forward (None unless the drafter asks for them).
+    choices:    [Q] the target's argmax token of every step row, already on the host (greedy
+                decoding on the device path reads them with the acceptance decision), or None:
+                then `logits(rows).argmax(-1)` gives them.
     """
     accepted: list[int]
     last_node: int
@@ -81,6 +87,7 @@ class StepOutput:
     logits: Callable[[list[int]], torch.Tensor]
     context_len: int = 1
     shared_hidden: torch.Tensor | None = None
+    choices: list[int] | None = None
 
 
 class Drafter:

@@ -39,6 +39,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_token_ids
     """Generate continuations for a batch of prompts (token id lists) in one left-padded batch.
 
     Returns the new tokens of each prompt, up to and including its first end-of-sequence token.
+    Everything runs on the model's device; each step reads its B new tokens to the host once
+    (on a GPU a read waits for the device).
     """
     device = model.device
     eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
@@ -52,17 +54,21 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_token_ids
     cache = DynamicCache(config=model.config)
     out = [[] for _ in range(B)]
     done = torch.zeros(B, dtype=torch.bool, device=device)
+    finished = [False] * B  # `done`, on the host
+    eos_set = set(eos_token_ids)
     step_ids = input_ids
     for _ in range(max_new_tokens):
         logits = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
                        past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
         next_ids = sample_next(logits, temperature, top_p, generator)
         next_ids = torch.where(done, torch.full_like(next_ids, pad_token_id), next_ids)
-        for b in torch.nonzero(~done).flatten().tolist():
-            out[b].append(int(next_ids[b]))
-        done |= torch.isin(next_ids, eos)
-        if bool(done.all()):
+        for b, token in enumerate(next_ids.tolist()):  # the step's one host read
+            if not finished[b]:
+                out[b].append(token)
+                finished[b] = token in eos_set
+        if all(finished):
             break
+        done |= torch.isin(next_ids, eos)
         step_ids = next_ids[:, None]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=-1)
         position_ids = position_ids[:, -1:] + 1

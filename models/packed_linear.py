@@ -35,6 +35,10 @@ oneDNN only (`--linear onednn`) is row-invariant.
 Inference only: with gradients enabled, or a non-CPU input, or an input dtype other than the
 weights' (fp32 or bf16), every member runs its own unpacked forward (`F.linear` on the same
 weight).
+
+CPU only: `cpu_paths(device)` is the one test of whether this module's kernels, the kernel plan
+and the other CPU-only decoding paths (MTPC's numpy bookkeeping, its int8 products, the lazy
+per-row LM head) apply. On a GPU nothing is packed and torch's stock kernels run.
 """
 
 from __future__ import annotations
@@ -52,6 +56,16 @@ DTYPES = (torch.float32, torch.bfloat16)  # what the packed kernels run
 # projections that read the same input, in the order the layer calls them (Llama, Mistral, Qwen,
 # SmolLM: attention's q/k/v, the MLP's gate/up)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def cpu_paths(device: torch.device | str) -> bool:
+    """Whether the CPU-only speed paths apply on `device`: oneDNN packing and the kernel plan
+    (this module, `mtpkit.models.kernel_plan`), MTPC's numpy bookkeeping and int8 products
+    (`mtpkit.models.mtpc.decode`) and the decoder's lazy per-row LM head. True only on the CPU;
+    elsewhere torch's stock kernels run and tensors stay on the device (a host read of a GPU
+    tensor waits for the GPU). The decoder's `Target.cpu_paths` holds it per target, so a test
+    can run the device path on a CPU."""
+    return torch.device(device).type == "cpu"
 
 
 def onednn_available() -> bool:
@@ -125,6 +139,7 @@ class PackedGroup:
 
     def usable(self, x: torch.Tensor) -> bool:
         """Whether this group computes forward(x) (else each member runs `unpacked`)."""
+        # x.is_cpu is `cpu_paths(x.device)`, inlined: this runs on every product of a forward
         return (not torch.is_grad_enabled() and x.is_cpu and x.dtype in DTYPES
                 and x.dtype is self.weights[0].dtype)
 
@@ -255,7 +270,7 @@ def packable(model: nn.Module, min_numel: int | None = None) -> list[tuple[str, 
     bf16, on the CPU, at least `min_numel` weights (default `MIN_PACK`). None on a GPU."""
     min_numel = MIN_PACK if min_numel is None else min_numel
     return [(name, m) for name, m in model.named_modules()
-            if type(m) is nn.Linear and m.weight.dtype in DTYPES and m.weight.device.type == "cpu"
+            if type(m) is nn.Linear and m.weight.dtype in DTYPES and cpu_paths(m.weight.device)
             and m.weight.numel() >= min_numel]
 
 

@@ -51,10 +51,13 @@ class ProbeConfig:
     """seed of the `sample` init"""
 
 
-def _topk_excluding(probs: torch.Tensor, k: int, exclude: set[int]) -> tuple[list[int], list[float]]:
-    values, ids = probs.topk(min(k + len(exclude), probs.numel()))
-    keep = [(int(i), float(v)) for i, v in zip(ids, values) if int(i) not in exclude][:k]
-    return [i for i, _ in keep], [v for _, v in keep]
+def _top_candidates(dists: torch.Tensor, width: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The `width` most probable tokens of each row of `dists` [k, V] and their probabilities,
+    best first, as host lists read in ONE transfer (on a GPU every read waits for the device)."""
+    values, ids = dists.topk(min(width, dists.shape[-1]), dim=-1)  # [k, width] each
+    table = torch.cat([ids.double(), values.double()]).tolist()  # float64 holds every id exactly
+    k = dists.shape[0]
+    return [[int(i) for i in row] for row in table[:k]], table[k:]
 
 
 def build_tree(dists: torch.Tensor, root_token: int, num_nodes: int, branches: list[int] | None,
@@ -65,12 +68,16 @@ def build_tree(dists: torch.Tensor, root_token: int, num_nodes: int, branches: l
     listed before children. `branches` None = dynamic (best `num_nodes` by cumulative probability).
     """
     k = dists.shape[0]
+    widths = [num_nodes] * k if branches is None else branches
+    # every depth's candidates at once: its width, plus the (at most 2) tokens pruning may drop
+    ids, values = _top_candidates(dists, max(widths) + (2 if prune else 0))
     nodes = []  # (score, depth, token, parent position in `nodes` or -1 for the root)
     parent, parent_token, parent_score = -1, root_token, 1.0
     for depth in range(1, k + 1):
-        width = num_nodes if branches is None else branches[depth - 1]
+        width = widths[depth - 1]
         exclude = {parent_token, root_token} if prune else set()
-        toks, probs = _topk_excluding(dists[depth - 1], width, exclude)
+        keep = [(i, v) for i, v in zip(ids[depth - 1], values[depth - 1]) if i not in exclude][:width]
+        toks, probs = [i for i, _ in keep], [v for _, v in keep]
         if not toks:
             break
         first = len(nodes)

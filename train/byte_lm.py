@@ -45,7 +45,7 @@ from mtpkit.models.backbone import BYTE_LM, byte_tokenizer, cache_dir
 from mtpkit.models.heads import write_atomic
 from mtpkit.train import engine
 from mtpkit.train.checkpoints import save_checkpoint
-from mtpkit.train.config import NOT_EMPTY, Rule, at_least
+from mtpkit.train.config import NOT_EMPTY, Rule, at_least, one_of
 from mtpkit.train.engine import TrainArgs
 
 
@@ -92,6 +92,9 @@ class ByteLMConfig(TrainArgs):
     """copy the final model to the `mtpkit-byte-lm` backbone cache folder"""
     threads: int = 0
     """torch CPU threads (0 = torch's default)"""
+    dtype: str = "auto"
+    """auto | float32: byte_lm has no frozen backbone; every weight trains and stays float32 for
+    the optimizer (--mixed-precision bf16 for bfloat16 matmuls)"""
 
 
 RULES: tuple[Rule, ...] = (
@@ -110,6 +113,7 @@ RULES: tuple[Rule, ...] = (
     ("time_budget_min", *at_least(0)),
     ("eval_blocks", *at_least(1)),
     ("threads", *at_least(0)),
+    ("dtype", *one_of(("auto", "float32", "fp32"))),
 )
 """the recipe's own rules (after engine.TRAIN_RULES)"""
 
@@ -144,8 +148,9 @@ def bits_per_byte(model, stream: torch.Tensor, block_size: int, max_blocks: int)
     was_training = model.training
     model.eval()
     nats = count = 0.0
+    device = next(model.parameters()).device
     for b in range(max_blocks):
-        chunk = stream[b * block_size: (b + 1) * block_size + 1]
+        chunk = stream[b * block_size: (b + 1) * block_size + 1].to(device)
         if len(chunk) < 2:
             break
         logits = model(chunk[None, :-1]).logits[0]
@@ -184,6 +189,9 @@ def main(argv=None) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     accelerator = engine.setup(cfg, old_layout="retrain (its model.pt is a plain state dict of the same model)")
+    if engine.zero_stage(accelerator) == 3:  # the evaluations and the final model/ read whole weights on one process
+        sys.exit("byte_lm: DeepSpeed ZeRO-3 is not supported (its evaluations and the final model/ folder read the "
+                 "whole model on the main process); use configs/accelerate/deepspeed_zero2.yaml or DDP")
     log = engine.printer(accelerator)
     tokenizer = byte_tokenizer()
     try:

@@ -7,8 +7,8 @@ Checkpoints are `mtpkit.train.checkpoints`, the learning-rate schedule `mtpkit.t
 A recipe reads: cfg = parse_config(...); accelerator = setup(cfg, ...); build the model and the
 optimizer; model, optimizer, scheduler, state = prepare(...); then its own loop (batch, forward
 and loss under `accelerator.accumulate`, then a `BackwardStep`: backward, clip, step, schedule, and the
-non-finite rule; log through `Window` and `MetricsWriter`; evaluate; `checkpoints.save_checkpoint`),
-and `finish`.
+non-finite rule; log through `Window` and `MetricsWriter`; evaluate (on the main process, or on
+every process under ZeRO-3: `every_process_evaluates`); `checkpoints.save_checkpoint`), and `finish`.
 
 An output dir holds one run: a fresh run into a folder with another run's files is refused
 unless `--resume` (continue it) or `--overwrite 1` (delete that run's files first);
@@ -34,13 +34,14 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from mtpkit.models.backbone import DEVICE_CHOICES, DTYPES, resolve_device, resolve_dtype
 from mtpkit.models.heads import write_atomic
 from mtpkit.train import checkpoints
 from mtpkit.train.config import (NOT_EMPTY, ConfigError, Rule, above, add_config_args, at_least, between, check,
                                   one_of, resolve, to_yaml)
 from mtpkit.train.schedule import DECAYS, lr_scheduler
 
-MIXED_PRECISION = ("no", "bf16", "fp16")
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 NONFINITE = ("stop", "skip")
 RUN_FILES = ("config.yaml", "metrics.jsonl", "metrics.superseded.jsonl", "metrics.png", "tensorboard", "model",
              "eval.json")
@@ -72,9 +73,22 @@ class TrainArgs:
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
-    """gradient clipping (0 = off)"""
-    mixed_precision: str = "no"
-    """no | bf16 | fp16 (autocast of the forward; weights stay in their dtype)"""
+    """gradient clipping (0 = off); under DeepSpeed this value replaces the config's gradient_clipping"""
+    device: str = "auto"
+    """where the run trains: auto = accelerate's choice (each process its own GPU, cuda:LOCAL_RANK,
+    when CUDA is present, else the CPU) | cpu (also with GPUs; several CPU processes talk over
+    gloo) | cuda | cuda:N (one process, on GPU N)"""
+    dtype: str = "auto"
+    """weight dtype of the frozen backbone: auto = bfloat16 on a GPU (float16 without bf16
+    support), float32 on a CPU | float32 | bfloat16 | float16. The trained parameters (LoRA, heads,
+    mask embeddings) stay float32 for the optimizer whatever this says. Not the same knob as
+    --mixed-precision: --dtype sets what the weights are stored in (bfloat16 halves the backbone's
+    memory), --mixed-precision autocasts the forward's matmuls; on a GPU both can be on"""
+    mixed_precision: str = "auto"
+    """auto | no | bf16 | fp16: autocast of the forward (its matmuls in that precision; fp16 adds
+    loss scaling); the weights keep their dtype (--dtype for the backbone, float32 for the trained
+    parameters). auto = the backbone's dtype when that is bfloat16 or float16 (the float32 trained
+    parameters then meet half-precision activations, which needs autocast), else no"""
     seed: int = 0
     """seed of the init and the data order"""
     log_every: int = 1
@@ -125,6 +139,9 @@ TRAIN_RULES: tuple[Rule, ...] = (
     ("min_lr_ratio", *between(0, 1)),
     ("weight_decay", *at_least(0)),
     ("max_grad_norm", *at_least(0)),
+    ("device", lambda v, cfg: v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()),
+     DEVICE_CHOICES),
+    ("dtype", *one_of(("auto",) + tuple(DTYPES))),
     ("mixed_precision", *one_of(MIXED_PRECISION)),
     ("seed", *at_least(0)),
     ("log_every", *at_least(1)),
@@ -155,33 +172,84 @@ def setup(cfg: TrainArgs, old_layout: str):
     `claim_output_dir`). A process started by a launcher (torchrun, accelerate launch) ends
     when the launcher dies (`die_with_parent`).
 
-    Several processes without a GPU (torchrun, `accelerate launch` with a multi-process config):
-    accelerate would leave them unconnected (each believing it is alone), so plain DDP is told to
-    use CPUs and gloo, and DeepSpeed gets gloo as its process-group backend."""
+    --device (`train_device`): cpu or no GPU -> Accelerator(cpu=True); auto/cuda -> accelerate's
+    choice, each process its own GPU; cuda:N -> that GPU, for a single process. Several processes
+    on CPUs (torchrun, `accelerate launch` with a multi-process config): accelerate would leave
+    them unconnected (each believing it is alone), so plain DDP is told to use CPUs and gloo, and
+    DeepSpeed gets gloo as its process-group backend."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, set_seed
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cpu_processes = world > 1 and not torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    device = train_device(cfg.device, world, deepspeed)
+    cpu_processes = world > 1 and device.type == "cpu"
     if cfg.nonfinite == "skip" and deepspeed:
         raise SystemExit("error: --nonfinite skip: DeepSpeed steps inside its backward, so a step cannot be skipped; "
                          "use --nonfinite stop")
+    if device.type == "cuda" and device.index is not None and world == 1:
+        torch.cuda.set_device(device)  # accelerate's one process uses the current GPU
+    mixed_precision = autocast_precision(cfg.mixed_precision, resolve_dtype(cfg.dtype, device))
     launched = "LOCAL_RANK" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
     if launched:
         die_with_parent()
     group = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.dist_timeout),
                                    **({"backend": "gloo"} if cpu_processes else {}))
     out = Path(cfg.output_dir)
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=cfg.mixed_precision,
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=mixed_precision,
                               log_with="tensorboard" if cfg.tensorboard else None, project_dir=str(out),
-                              cpu=cpu_processes and not deepspeed, kwargs_handlers=[group])
+                              cpu=device.type == "cpu" and not deepspeed, kwargs_handlers=[group])
     set_seed(cfg.seed)
     checkpoints.resume_folder(cfg, old_layout, deepspeed=deepspeed)
     claim_output_dir(accelerator, cfg)
     if cfg.tensorboard:
         accelerator.init_trackers("tensorboard", config=_flat(dataclasses.asdict(cfg)))
     return accelerator
+
+
+def train_device(flag: str, world: int, deepspeed: bool) -> torch.device:
+    """The device --device names for this process (models/backbone.py resolve_device), or
+    SystemExit: a GPU that is not there; cuda:N under several processes (each takes its own,
+    cuda:LOCAL_RANK); cpu under DeepSpeed on a machine with GPUs (DeepSpeed picks the GPU itself)."""
+    if flag.startswith("cuda:") and world > 1:
+        raise SystemExit(f"error: --device {flag} names one GPU, but {world} processes run (each takes its own "
+                         "GPU, cuda:LOCAL_RANK): use --device cuda or auto, and CUDA_VISIBLE_DEVICES to choose GPUs")
+    if flag == "cpu" and deepspeed and torch.cuda.is_available():
+        raise SystemExit("error: --device cpu under DeepSpeed on a machine with GPUs: DeepSpeed runs on the GPU "
+                         "whatever accelerate is told; hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on CPUs")
+    try:
+        return resolve_device(flag)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def autocast_precision(flag: str, backbone: torch.dtype) -> str:
+    """accelerate's mixed_precision for --mixed-precision `flag` over a backbone of dtype
+    `backbone` (see TrainArgs.mixed_precision); `no` over a half-precision backbone is a SystemExit
+    (float32 trained parameters cannot meet its activations without autocast)."""
+    half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(backbone)
+    if flag == "auto":
+        return half or "no"
+    if flag == "no" and half:
+        raise SystemExit(f"error: --mixed-precision no with a {str(backbone).removeprefix('torch.')} backbone: the "
+                         f"float32 trained parameters meet its activations only under autocast; use "
+                         f"--mixed-precision auto or {half}, or --dtype float32")
+    return flag
+
+
+def backbone_dtype(cfg: TrainArgs, accelerator) -> torch.dtype:
+    """The frozen backbone's weight dtype: --dtype on the run's device (auto: see TrainArgs.dtype)."""
+    return resolve_dtype(cfg.dtype, accelerator.device)
+
+
+def float32_trainable(params) -> list:
+    """The trained parameters in float32 (a LoRA or head built over a bfloat16 backbone may come out
+    bfloat16): the optimizer's updates and states stay exact. Returns them as a list."""
+    params = list(params)
+    for p in params:
+        if p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.float()
+    return params
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
@@ -233,15 +301,19 @@ def prepare(accelerator, cfg: TrainArgs, model: torch.nn.Module, optimizer,
     writes output_dir/config.yaml. Returns (model, optimizer, scheduler, trainer state: "step",
     "micro_step" and the recipe's counters of the checkpoint; zeros for a new run). The scheduler
     is stepped by the recipe once per optimizer step (a prepared one would step once per process)."""
-    if accelerator.state.deepspeed_plugin is not None:
-        ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        ds = plugin.deepspeed_config
         ds["train_micro_batch_size_per_gpu"] = cfg.batch_size
         ds["gradient_accumulation_steps"] = cfg.grad_accum
         ds["train_batch_size"] = cfg.batch_size * cfg.grad_accum * accelerator.num_processes
-        printer(accelerator)(f"[deepspeed] ZeRO stage {ds.get('zero_optimization', {}).get('stage')} on "
-                             f"{accelerator.num_processes} process(es)")
+        set_gradient_clipping(ds, cfg.max_grad_norm, printer(accelerator))
+        plugin.gradient_clipping = cfg.max_grad_norm
     accelerator.register_save_state_pre_hook(checkpoints.drop_frozen)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if plugin is not None:  # what the DeepSpeed engine itself now uses
+        printer(accelerator)(f"[deepspeed] ZeRO stage {model.zero_optimization_stage()} on "
+                             f"{accelerator.num_processes} process(es); gradient clipping {model.gradient_clipping()}")
     state = {"step": 0, "micro_step": 0, **checkpoints.load_checkpoint(accelerator, model, optimizer, cfg)}
     if accelerator.is_main_process:
         launcher = ("accelerate launch" if "ACCELERATE_MIXED_PRECISION" in os.environ
@@ -251,6 +323,33 @@ def prepare(accelerator, cfg: TrainArgs, model: torch.nn.Module, optimizer,
         write_atomic(out / "config.yaml", to_yaml(cfg, " ".join([launcher] + sys.argv)))
     accelerator.wait_for_everyone()
     return model, optimizer, lr_scheduler(optimizer, cfg, state["step"], progress), state
+
+
+def every_process_evaluates(accelerator) -> bool:
+    """Whether an evaluation runs on every process rather than on the main one alone: under
+    DeepSpeed ZeRO-3 on several processes, where the weights are split between the processes and
+    each layer's forward first gathers its weights from all of them, so every process must run
+    the same forwards in the same order (the main process alone would wait forever). Elsewhere the
+    main process evaluates and the others wait."""
+    return zero_stage(accelerator) == 3 and accelerator.num_processes > 1
+
+
+def zero_stage(accelerator) -> int | None:
+    """The DeepSpeed ZeRO stage of the run (None without DeepSpeed)."""
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin.deepspeed_config.get("zero_optimization", {}).get("stage") if plugin is not None else None
+
+
+def set_gradient_clipping(ds: dict, max_grad_norm: float, log) -> None:
+    """DeepSpeed clips inside its own step, to its config's `gradient_clipping` (accelerate's
+    clip_grad_norm_ only reads the norm back), so --max-grad-norm is written there (0 = off). A
+    different number already there (the accelerate config's `gradient_clipping`, a DeepSpeed JSON)
+    is replaced, with a note: the flag is the value saved in config.yaml with every checkpoint."""
+    before = ds.get("gradient_clipping", "auto")
+    if before != "auto" and float(before) != max_grad_norm:
+        log(f"[deepspeed] gradient_clipping {before} of the DeepSpeed/accelerate config replaced by "
+            f"--max-grad-norm {max_grad_norm}")
+    ds["gradient_clipping"] = max_grad_norm
 
 
 class BackwardStep:
@@ -264,7 +363,8 @@ class BackwardStep:
     gradient norm, is decided on by every process together at that micro-step (before DeepSpeed's
     backward, which steps): --nonfinite stop ends the run (SystemExit on every process, no
     update); skip drops the gradients, steps only the scheduler, and the call returns True (the
-    recipe counts it)."""
+    recipe counts it). Under fp16 loss scaling (--mixed-precision fp16) an overflowing gradient
+    norm is the scaler's: it skips that step and lowers its scale, and the call returns True."""
 
     def __init__(self, accelerator, cfg: TrainArgs, params, optimizer, scheduler):
         self.accelerator, self.params, self.optimizer, self.scheduler = accelerator, list(params), optimizer, scheduler
@@ -284,6 +384,8 @@ class BackwardStep:
         if acc.sync_gradients and self.max_grad_norm > 0 and not bad:
             norm = acc.clip_grad_norm_(self.params, self.max_grad_norm)
             bad = norm is not None and not bool(torch.isfinite(torch.as_tensor(norm)).all())  # same on every process
+            if bad and acc.scaler is not None:
+                bad = False  # fp16 loss scaling: the scaler skips this step itself and lowers its scale
             if bad:
                 self._stop(f"gradient norm ({float(norm)})")
         if bad:  # skip: the gradients of this optimizer step are dropped
@@ -291,10 +393,11 @@ class BackwardStep:
             self.scheduler.step()
             return True
         self.optimizer.step()
+        skipped = acc.sync_gradients and acc.scaler is not None and acc.optimizer_step_was_skipped
         if acc.sync_gradients:
             self.scheduler.step()
         self.optimizer.zero_grad()
-        return False
+        return skipped
 
     def _stop(self, what: str) -> None:
         if self.mode == "stop":

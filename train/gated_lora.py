@@ -35,7 +35,7 @@ from mtpkit.data.chat import IGNORE, DataError, load_examples, prompt_ids, token
 from mtpkit.data.mtp import collate_mask_inputs, mask_inputs
 from mtpkit.eval.decoder import Target, decode
 from mtpkit.eval.report import write_training_plot
-from mtpkit.models.backbone import DEFAULT_BACKBONE, DTYPES, eos_token_ids, load_backbone
+from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
 from mtpkit.models.gated_lora.drafter import DECODINGS, GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP
 from mtpkit.models.registry import METHODS
@@ -58,8 +58,6 @@ class TrainConfig(TrainArgs):
     """prompts for the simulated tau; prompts that also occur in --data are left out"""
     max_length: int = 384
     """tokens per sequence before the masks are inserted (longer conversations are cut)"""
-    dtype: str = "float32"
-    """backbone weight dtype"""
     eval_prompts: int = 4
     """held-out prompts per simulated-tau measurement (every --eval-every steps)"""
     eval_max_new_tokens: int = 48
@@ -75,7 +73,6 @@ RULES: tuple[Rule, ...] = (
     ("backbone", *NOT_EMPTY),
     ("data", *NOT_EMPTY),
     ("max_length", *at_least(1)),
-    ("dtype", *one_of(tuple(DTYPES))),
     ("eval_prompts", *at_least(1)),
     ("eval_max_new_tokens", *at_least(1)),
     ("eval_decoding", *one_of(DECODINGS)),
@@ -149,7 +146,9 @@ def main(argv=None) -> dict:
     accelerator = engine.setup(cfg, old_layout="start a new run (its head/ folder still exports and decodes)")
     log = engine.printer(accelerator)
 
-    base, tokenizer = load_backbone(cfg.backbone, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    # loaded on the CPU: GatedMTP builds its mask embeddings there; accelerator.prepare moves it all
+    base, tokenizer = load_backbone(cfg.backbone, dtype=engine.backbone_dtype(cfg, accelerator),
+                                    trust_remote_code=cfg.trust_remote_code)
     eos = eos_token_ids(base, tokenizer)
     try:
         features, train_text = build_features(cfg, tokenizer, log)
@@ -157,11 +156,12 @@ def main(argv=None) -> dict:
     except DataError as e:
         sys.exit(f"gated_lora: {e}")
     mtp = GatedMTP(base, cfg.model, seed=cfg.seed)
-    trainable = [p for p in mtp.parameters() if p.requires_grad]
+    trainable = engine.float32_trainable(p for p in mtp.parameters() if p.requires_grad)
     log(f"[model] {cfg.backbone}: k={cfg.model.k}, LoRA r={cfg.model.rank} on {len(cfg.model.target_modules)} "
         f"module kinds, {sum(p.numel() for p in trainable) / 1e6:.2f}M trainable of "
         f"{sum(p.numel() for p in mtp.parameters()) / 1e6:.1f}M; {len(features)} training sequences; "
-        f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}")
+        f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}, {accelerator.device}, "
+        f"backbone {str(base.dtype).removeprefix('torch.')}")
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     model, optimizer, scheduler, state = engine.prepare(accelerator, cfg, mtp, optimizer)  # mtp: unwrapped
     backward_step = engine.BackwardStep(accelerator, cfg, trainable, optimizer, scheduler)
@@ -197,14 +197,17 @@ def main(argv=None) -> dict:
             bar.set_postfix(loss=f"{means['loss']:.3f}", mtp=f"{means.get('base_mtp', math.nan):.2f}",
                             acc1=f"{means.get('acc_m1', math.nan):.2f}")
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps) and prompts:
-            if accelerator.is_main_process:  # the others wait at the barrier
+            # ZeRO-3: every process decodes the same prompts (its forwards gather the split weights);
+            # the same weights and inputs take the same greedy path, so the forwards match one for one
+            if accelerator.is_main_process or engine.every_process_evaluates(accelerator):
                 t0 = time.perf_counter()
-                result["sim_tau"] = simulated_tau(mtp, prompts, cfg, eos)
+                with accelerator.autocast():  # as in training (a half-precision backbone needs it)
+                    result["sim_tau"] = simulated_tau(mtp, prompts, cfg, eos)
                 metrics.write({"step": step, "sim_tau": result["sim_tau"], "eval_seconds": time.perf_counter() - t0})
                 log(f"[eval] step {step}: simulated tau {result['sim_tau']:.3f} ({cfg.eval_decoding}, "
                     f"{len(prompts)} prompts)")
                 window.exclude(time.perf_counter() - t0)  # evaluation time is not training throughput
-            accelerator.wait_for_everyone()
+            accelerator.wait_for_everyone()  # the others wait here
         if step % cfg.save_every == 0 or step == cfg.max_steps:
             save_checkpoint(accelerator, model, optimizer, cfg, step,
                             {"micro_step": micro, "tokens_seen": tokens_seen},

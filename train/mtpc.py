@@ -3,12 +3,13 @@ Multi-Byte Prediction with Probabilistic Circuits" (arXiv:2511.11346).
 
     torchrun --nproc_per_node 2 train/mtpc.py --config configs/mtpc/byte-llama-12m_btree_n16.yaml \
         --data runs/distilled.jsonl --output-dir runs/mtpc/btree
-    torchrun --nproc_per_node 8 train/mtpc.py --arch btree -n 16 --rank 32 --lora-layers 1 ...  # GPUs (NCCL)
-    accelerate launch --config_file configs/accelerate/cpu_ddp.yaml train/mtpc.py ...            # the same
-    python train/mtpc.py --arch cp --n 8 ...                                                     # one process
+    torchrun --nproc_per_node 8 train/mtpc.py --arch btree --n 16 --rank 32 --lora-layers 1 ...  # GPUs (NCCL)
+    accelerate launch --config_file configs/accelerate/cpu_ddp.yaml train/mtpc.py ...             # the same
+    python train/mtpc.py --arch cp --n 8 ...                                                      # one process
 
-Under torchrun the window is `-n 16` (or `--window 16`): torchrun's argument parser rejects
-`--n` anywhere on its command line as an ambiguous abbreviation of its own options.
+`--n 16` after the script under torchrun needs mtpkit's torchrun hook (train/torchrun_args.py,
+installed by `make install`): stock torchrun's parser rejects `--n` anywhere on its command line
+as an ambiguous abbreviation of its own options. `-n 16` and `--window 16` work everywhere.
 
 Every micro-step: the backbone encodes a batch of chat sequences (no gradient); the draft
 features e_t are its final state, or its state after layer N - L passed through the draft's
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mtpkit.data.chat import IGNORE, DataError, load_examples, tokenize_chat
-from mtpkit.models.backbone import DTYPES, load_backbone
+from mtpkit.models.backbone import load_backbone
 from mtpkit.models.mtpc.circuits import ARCHS, mode, next_log_probs
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel, window_loss, window_targets
 from mtpkit.models.heads import head_folder, read_weights
@@ -86,8 +87,6 @@ class TrainConfig(TrainArgs):
     """held-out sequences per acceptance estimate (every --eval-every steps)"""
     init_from: str = ""
     """checkpoint (or export) folder whose head initialises this run (stage two)"""
-    dtype: str = "float32"
-    """backbone dtype"""
     trust_remote_code: bool = False
     """allow custom model code (EvaByte)"""
     model: MTPCConfig = dataclasses.field(default_factory=MTPCConfig)
@@ -101,7 +100,6 @@ RULES: tuple[Rule, ...] = (
     ("gamma", *between(0, 1)),
     ("kl_weight", *at_least(0)),
     ("eval_sequences", *at_least(1)),
-    ("dtype", *one_of(tuple(DTYPES))),
     ("arch", *one_of(ARCHS + ("cirkit",))),
     ("n", *at_least(2)),
     ("n", lambda v, cfg: cfg.model.arch != "btree" or v & (v - 1) == 0, "a power-of-two window for --arch btree"),
@@ -117,10 +115,10 @@ RULES: tuple[Rule, ...] = (
 def parse_args(argv=None) -> TrainConfig:
     p = engine.argument_parser(TrainConfig, __doc__, "configs/mtpc/*.yaml")
     p.add_argument("--rank", dest="cfg__model__r", type=int, default=None, help="alias of --r: the circuit rank")
-    # torchrun's own parser rejects `--n` after the script name (an ambiguous abbreviation of
-    # its --nnodes/--nproc-per-node/...), so under torchrun write `-n 16` or `--window 16`
+    # stock torchrun's parser rejects `--n` after the script name (an ambiguous abbreviation of its
+    # --nnodes/--nproc-per-node/...) unless mtpkit's hook is installed (train/torchrun_args.py)
     p.add_argument("-n", "--window", dest="cfg__model__n", type=int, default=None,
-                   help="alias of --n (use it under torchrun, which rejects --n)")
+                   help="alias of --n (works under a torchrun without mtpkit's hook, which rejects --n)")
     cfg = engine.parse_config(p, TrainConfig, argv, RULES)
     try:
         cfg.model.__post_init__()  # the model config's own checks, on the values the flags set
@@ -210,14 +208,15 @@ def kl_loss(model: MTPCModel, params, targets, valid, ids, rows, cols) -> torch.
 
 
 @torch.no_grad()
-def teacher_forced_acceptance(model: MTPCModel, held: list[dict], pad_id: int, limit: int) -> float:
+def teacher_forced_acceptance(model: MTPCModel, held: list[dict], pad_id: int, limit: int,
+                              device: torch.device | str = "cpu") -> float:
     """Mean leading bytes of the greedy window equal to the held-out answer, over every position
-    whose next byte is the assistant's (see the module docstring)."""
+    whose next byte is the assistant's (see the module docstring); computed on `device`, the model's."""
     was = model.training
     model.eval()
     matched, windows = 0.0, 0
     for f in held[:limit]:
-        ids, labels, _ = pad([f], pad_id)
+        ids, labels, _ = (t.to(device) for t in pad([f], pad_id))
         e = model.features(ids)[0]
         targets, valid = window_targets(labels, model.cfg.n)
         pos = valid[0, :, 0].nonzero(as_tuple=True)[0]
@@ -236,14 +235,21 @@ def main(argv=None) -> dict:
     accelerator = engine.setup(cfg, old_layout="start a new run from its head with --init-from {folder}")
     log = engine.printer(accelerator)
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    if engine.zero_stage(accelerator) == 3:
+        # ZeRO-3 gathers a module's split weights again for its backward through hooks on the
+        # module's output tensors; it cannot see the tensors inside the head's CircuitParams
+        # (a dataclass), so the head's backward would find its weights already split again
+        sys.exit("mtpc: DeepSpeed ZeRO-3 cannot train the circuit head yet (its output, CircuitParams, hides its "
+                 "tensors from ZeRO-3's backward hooks); use configs/accelerate/deepspeed_zero2.yaml or DDP")
 
     if cfg.init_from:  # read before the backbone loads, so a wrong folder fails at once
         try:
             init_state = read_weights(head_folder(cfg.init_from) / "head.safetensors")
         except (OSError, ValueError) as e:
             sys.exit(f"mtpc: --init-from {cfg.init_from}: {e}")
-    backbone, tokenizer = load_backbone(cfg.backbone, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
-    backbone.to(device)  # outside the model's state and DDP: frozen, read again from --backbone
+    # outside the model's state and DDP: frozen, read again from --backbone
+    backbone, tokenizer = load_backbone(cfg.backbone, dtype=engine.backbone_dtype(cfg, accelerator),
+                                        trust_remote_code=cfg.trust_remote_code, device=device)
     try:
         train, held = build_features(cfg, tokenizer, log)
     except DataError as e:
@@ -253,10 +259,11 @@ def main(argv=None) -> dict:
     if cfg.init_from:
         missing = mtpc.load_state_dict(init_state, strict=False)
         log(f"[init] {cfg.init_from}: {len(init_state)} tensors; new: {len(missing.missing_keys)}")
-    trainable = [p for p in mtpc.parameters() if p.requires_grad]
+    trainable = engine.float32_trainable(p for p in mtpc.parameters() if p.requires_grad)
     log(f"[model] {cfg.backbone}: MTPC {cfg.model.arch} n={cfg.model.n} r={cfg.model.units}, "
         f"{cfg.model.lora_layers} LoRA draft layer(s), {sum(p.numel() for p in trainable) / 1e6:.2f}M trainable; "
-        f"{len(train)} training / {len(held)} held-out sequences; {world} process(es)")
+        f"{len(train)} training / {len(held)} held-out sequences; {world} process(es), {device}, "
+        f"backbone {str(backbone.dtype).removeprefix('torch.')}")
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     model, optimizer, scheduler, state = engine.prepare(accelerator, cfg, mtpc, optimizer)  # mtpc: unwrapped
     backward_step = engine.BackwardStep(accelerator, cfg, trainable, optimizer, scheduler)
@@ -295,16 +302,19 @@ def main(argv=None) -> dict:
             metrics.write(result)
             bar.set_postfix(loss=f"{result['loss']:.3f}", nll1=f"{result['nll_per_offset'][0]:.2f}")
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps) and held:
-            if accelerator.is_main_process:  # the others wait at the barrier
+            # ZeRO-3: every process runs the same held-out sequences (its forwards gather the split
+            # weights); which forwards run depends on the data only, so they match one for one
+            if accelerator.is_main_process or engine.every_process_evaluates(accelerator):
                 t0 = time.perf_counter()
-                result["tf_acceptance"] = teacher_forced_acceptance(mtpc, held, tokenizer.pad_token_id,
-                                                                    cfg.eval_sequences)
+                with accelerator.autocast():  # as in training (a half-precision backbone needs it)
+                    result["tf_acceptance"] = teacher_forced_acceptance(mtpc, held, tokenizer.pad_token_id,
+                                                                        cfg.eval_sequences, device)
                 metrics.write({"step": step, "tf_acceptance": result["tf_acceptance"],
                                "eval_seconds": time.perf_counter() - t0})
                 log(f"[eval] step {step}: teacher-forced acceptance {result['tf_acceptance']:.3f} bytes/cycle "
                     "(greedy window)")
                 window.exclude(time.perf_counter() - t0)
-            accelerator.wait_for_everyone()
+            accelerator.wait_for_everyone()  # the others wait here
         if step % cfg.save_every == 0 or step == cfg.max_steps:
             save_checkpoint(accelerator, model, optimizer, cfg, step,
                             {"micro_step": micro, "bytes_seen": bytes_seen},

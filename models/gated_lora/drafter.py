@@ -61,8 +61,10 @@ class GatedLoRADrafter(Drafter):
         """A copy of `model` carrying the gated adapter (one copy per head folder), and its gate."""
         if self.model is None:
             key = ("gated_lora", self.config.head)
-            if key not in shared:  # decoding only: the lean gated linears (`to_inference`)
-                shared[key] = to_inference(load_head(self.config.head, copy.deepcopy(model)))
+            if key not in shared:  # decoding only: the lean gated linears (`to_inference`), on the
+                # target's device (the head's own weights, mask embeddings and sampler, load on the CPU)
+                device = model.get_input_embeddings().weight.device
+                shared[key] = to_inference(load_head(self.config.head, copy.deepcopy(model))).to(device)
             self.model = shared[key]
         if self.config.sampler and self.model.sampler is None:
             raise ValueError(f"gated_lora: sampler=1 but {self.config.head} has no sampler head")
@@ -95,12 +97,14 @@ class GatedLoRADrafter(Drafter):
         if rows is None:  # linear decoding after a partial acceptance: nothing to speculate
             self.spec = []
             return
-        if self.config.sampler:
+        if self.config.sampler:  # y_i = argmax W MLP([E(y_{i-1}); z_i]), chained on the device
             z = step.hidden[rows]  # [k, d]
-            prev, spec = step.new_tokens[-1], []
+            prev, spec = torch.tensor(step.new_tokens[-1], device=z.device), []
             for i in range(self.k):
-                prev = int(self.model.sampler_logits(torch.tensor(prev, device=z.device), z[i]).argmax())
+                prev = self.model.sampler_logits(prev, z[i]).argmax()
                 spec.append(prev)
-            self.spec = spec
+            self.spec = torch.stack(spec).tolist()  # one host read for the k speculations
+        elif step.choices is not None:  # the verifier read every row's argmax already
+            self.spec = [step.choices[r] for r in rows]
         else:
             self.spec = step.logits(rows).argmax(-1).tolist()

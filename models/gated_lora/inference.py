@@ -29,8 +29,9 @@ class GatedLoRALinear(nn.Module):
     def __init__(self, base: nn.Linear, A: torch.Tensor, B: torch.Tensor, scaling: float, gate: Gate):
         super().__init__()
         self.base, self.gate = base, gate
-        self.register_buffer("At", A.detach().t().contiguous())  # [in, r]
-        self.register_buffer("Bt", (B.detach().t() * scaling).contiguous())  # [r, out]
+        dtype = base.weight.dtype  # the target's (a bfloat16 target decodes with a bfloat16 adapter)
+        self.register_buffer("At", A.detach().t().to(dtype).contiguous())  # [in, r]
+        self.register_buffer("Bt", (B.detach().t().float() * scaling).to(dtype).contiguous())  # [r, out]
         self.group = self.siblings = None  # set by `PackedGroup` once the base is packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,8 @@ class Gate:
         if x.shape[:-1] != self.shape:
             raise RuntimeError(f"gated LoRA: input of shape {tuple(x.shape)} under a gate of shape "
                                f"{tuple(self.shape)}; run the forward inside `with gate(mask)` of its shape")
+        if self.rows.device != x.device:  # a gate mask built on the host (the decoder's): moved once per gate
+            self.rows = self.rows.to(x.device)
         return x.reshape(-1, x.shape[-1]).index_select(0, self.rows)
 
     def scatter(self, delta: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # -> [B, T, out]
@@ -158,7 +160,8 @@ class GatedMTP(nn.Module):
         d = table.shape[1]
         # random vectors with the embedding table's per-dimension statistics (Sec. 2: "generated
         # as random vectors and added to the embedding table")
-        init = table.mean(0) + table.std(0) * torch.randn(config.k, d)
+        # drawn on the CPU, so the init is the same on any device
+        init = table.mean(0) + table.std(0) * torch.randn(config.k, d).to(table.device)
         self.mask_embeds = nn.Parameter(init.to(self.embed.weight.dtype))  # [k, d]
         self.sampler = SamplerMLP(d).to(self.embed.weight.dtype) if config.sampler else None
 

@@ -7,8 +7,9 @@ vocabulary V and whose inner layers are sums and products (Hadamard or Kronecker
 per-example parameters from the backbone's hidden state, as the native heads do:
 
 - every folded categorical layer gets an unembedding per fold and unit, [F, K, V, d],
-  initialised from the backbone's LM head (so, at the start, every input unit of a position is
-  the LM head's distribution and the circuit is the FF head);
+  initialised from the backbone's LM head, or from the matrix given for the fold's window
+  position (`MTPCModel` passes `initial_unembeddings`: EvaByte's head i at position i), so at
+  the start every input unit of a position is one distribution and the circuit is the FF head;
 - every folded sum layer gets a projection per fold, weights softmax(P e + b) over each output
   unit's inputs, P drawn small.
 
@@ -117,8 +118,10 @@ class CirkitHead(nn.Module):
     """hidden [B, d] -> `CirkitParams`: one compiled cirkit circuit, per-example parameters."""
 
     def __init__(self, symbolic: Circuit, n: int, lm_head_weight: Tensor, init_std: float = 0.02, seed: int = 0):
+        """`lm_head_weight`: [V, d] (every input unit starts from it) or [n, V, d] (the units of
+        window position i from row i)."""
         super().__init__()
-        V, d = lm_head_weight.shape
+        V, d = lm_head_weight.shape[-2:]
         self.n, self.vocab_size, self.hidden_size = n, V, d
         # a plain attribute, outside the module tree: its placeholder tensors are not weights
         self.__dict__["compiled"] = pipeline_context().compile(placeholder_copy(symbolic, n, V))
@@ -126,9 +129,14 @@ class CirkitHead(nn.Module):
         self.categoricals = [m for m in self.compiled.layers if isinstance(m, TorchBatchedCategoricalLayer)]
         self.sums = [m for m in self.compiled.layers if isinstance(m, TorchBatchedSumLayer)]
         g = torch.Generator().manual_seed(seed)
-        base = lm_head_weight.detach().float()
-        self.unembed = nn.ParameterList(
-            nn.Parameter(base[None, None].repeat(m.num_folds, m.num_output_units, 1, 1)) for m in self.categoricals)
+        base = lm_head_weight.detach()
+        base = base.expand(n, -1, -1) if base.dim() == 2 else base  # [n, V, d]
+        if base.shape[0] != n:
+            raise ValueError(f"CirkitHead: {base.shape[0]} initial unembeddings for a window of {n}")
+        self.unembed = nn.ParameterList(  # fold f covers window position scope_idx[f]
+            nn.Parameter(torch.empty(m.num_folds, m.num_output_units, V, d, dtype=torch.float32, device=base.device)
+                         .copy_(base[m.scope_idx[:, 0].to(base.device)][:, None]))
+            for m in self.categoricals)
         shapes = [(m.num_folds, m.num_output_units * m.arity * m.num_input_units) for m in self.sums]
         self.sum_proj = nn.ParameterList(nn.Parameter(torch.randn(F, k, d, generator=g) * init_std) for F, k in shapes)
         self.sum_bias = nn.ParameterList(nn.Parameter(torch.zeros(F, k)) for F, k in shapes)

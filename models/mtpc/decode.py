@@ -2,8 +2,11 @@
 
 - `decode_window(head, e, n, units_dtype)`: the circuit of one hidden state with its input units
   computed on demand (`LazyUnits`): a cycle reads only the positions it drafts or verifies.
-- `LazyBTree`: BTree sampling and conditionals with the r-vector bookkeeping in numpy.
-- `Int8Rows`: weight-only int8 rows (one scale per row) for the memory-bound unit products;
+- `LazyBTree`: BTree sampling and conditionals with the r-vector bookkeeping in numpy (CPU only:
+  `MTPCDrafter` takes the torch path of `decode_window` on a GPU, where numpy would copy every
+  vector to the host).
+- `Int8Rows`: weight-only int8 rows (one scale per row) for the memory-bound unit products
+  (torch's int8 kernel on a CPU, a dequantizing product elsewhere);
   `weight_as(head, name, dtype)` keeps one decode copy of a weight per precision.
 """
 
@@ -14,6 +17,7 @@ import torch
 
 from mtpkit.models.mtpc.circuits import CircuitParams, _btree_levels
 from mtpkit.models.mtpc.model import MTPCHead
+from mtpkit.models.packed_linear import cpu_paths
 
 class LazyUnits:
     """The input units of one decode-time circuit, computed per window position when needed.
@@ -319,11 +323,13 @@ _INT8_MM_BLOCK = 32  # row lengths the kernel handles (multiples of 16 were exac
 
 
 def _blocks_matvec(w: "torch.Tensor | Int8Rows", i: torch.Tensor, j: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """w[i, j] @ x for w [I, J, N, K], index vectors i, j [k] -> [k, N]. int8: one product over
-    the blocks copied by `_rows`; floating point: one product per block on a view (a copy of
-    the blocks costs as much as the product)."""
-    if isinstance(w, Int8Rows):
-        return _matvec(_rows(w, i, j), x)
+    """w[i, j] @ x for w [I, J, N, K], index vectors i, j [k] -> [k, N]. int8, or off the CPU
+    (`cpu_paths`: the indices stay on the device, unread): one product over the blocks copied by
+    `_rows`; floating point on a CPU: one product per block on a view (a copy of the blocks
+    costs as much as the product there)."""
+    device = (w.q if isinstance(w, Int8Rows) else w).device
+    if isinstance(w, Int8Rows) or not cpu_paths(device):
+        return _matvec(_rows(w, i.to(device), j.to(device)), x)
     return torch.stack([_matvec(w[a, b], x) for a, b in zip(i.tolist(), j.tolist())])
 
 

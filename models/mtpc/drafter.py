@@ -134,8 +134,10 @@ class MTPCDrafter(Drafter):
     def adapt(self, model, shared: dict):
         if self.model is None:
             key = ("mtpc", self.config.head)
-            if key not in shared:
-                shared[key] = load_head(self.config.head, model, trust_remote_code=self.config.trust_remote_code)
+            if key not in shared:  # the head (and its draft layers) load on the CPU: moved to the target's device
+                device = model.get_input_embeddings().weight.device
+                shared[key] = load_head(self.config.head, model,
+                                        trust_remote_code=self.config.trust_remote_code).to(device)
             self.model = shared[key]
         if self.model.backbone is not model:
             raise ValueError("mtpc: the head was loaded on another backbone object than the target")
@@ -151,6 +153,10 @@ class MTPCDrafter(Drafter):
 
     def begin(self, target, prompt_ids: list[int]) -> None:
         self.n = self.config.n or self.model.cfg.n
+        self.device = target.device
+        self.cpu_paths = target.cpu_paths  # numpy bookkeeping (`LazyBTree`) only on a CPU
+        if self.gen.device != self.device:  # the draws run where the head does, from a generator there
+            self.gen = torch.Generator(self.device).manual_seed(self.config.seed)
         self.e = None          # e_t of the newest byte that has a state (None: unknown)
         self.given: list[int] = []  # kept bytes after it, without a state (the bonus)
         self.length = 0        # bytes in the sequence before the current step
@@ -168,9 +174,9 @@ class MTPCDrafter(Drafter):
         span = n if self.model.cfg.arch in ("ff", "cp", "hmm") else self.model.cfg.n
         evidence = observed = None
         if m:
-            evidence = torch.zeros(1, span, dtype=torch.long)
-            evidence[0, :m] = torch.tensor(self.given)
-            observed = torch.arange(span)[None] < m
+            evidence = torch.zeros(1, span, dtype=torch.long, device=self.device)
+            evidence[0, :m] = torch.tensor(self.given, device=self.device)
+            observed = torch.arange(span, device=self.device)[None] < m
         if self.sampling:  # input units (and btree sum weights) on demand: see LazyUnits, LazyBTree
             window, log_conditional = self._sample(evidence, observed, span)
             return Draft(tokens=window[m:n], parents=torch.arange(n - m),
@@ -180,7 +186,8 @@ class MTPCDrafter(Drafter):
             inner = None if params.inner is None else params.inner[:, : span - 1]
             params = CircuitParams(params.arch, params.log_phi[:, :span], params.root, inner)
         pick = mode if self.config.greedy == "mode" else greedy_chain
-        return Draft.chain(pick(params, evidence, observed)[0, m:n].tolist())
+        window = pick(params, evidence, observed)[0, m:n]  # stays on the device: the verifier reads it
+        return Draft(tokens=window, parents=torch.arange(len(window)))
 
     def _sample(self, evidence, observed, span: int):
         """A window [span] drawn from the circuit of e given the kept bytes, and the function
@@ -188,7 +195,7 @@ class MTPCDrafter(Drafter):
         m, n, head = len(self.given), self.n, self.model.head
         dtype = UNIT_DTYPES[self.config.units]
         path = self.config.verify == "path"
-        if self.model.cfg.arch == "btree":
+        if self.model.cfg.arch == "btree" and self.cpu_paths:
             tree = LazyBTree(head, self.e, dtype)
             return tree.sample(self.gen, self.given, n), tree.drawn_conditional if path else tree.conditional
         params, units = decode_window(head, self.e, span, dtype)

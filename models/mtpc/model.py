@@ -2,9 +2,12 @@
 
 `MTPCHead(cfg, lm_head_weight)` maps e_t [.., d] to `CircuitParams` of the window
 x_{t+1..t+n}:
-- input units: one unembedding per window position and rank, W [n, r, V, d], all initialised
-  from the backbone's LM head, phi_{t,i,j} = softmax(W_ij e_t). Identical ranks make every
-  mixture equal to FF at the start (CP with r = 1 *is* FF);
+- input units: one unembedding per window position and rank, W [n, r, V, d], phi_{t,i,j} =
+  softmax(W_ij e_t), all ranks of position i initialised from the same [V, d] matrix: the
+  backbone's next-byte LM head, or, on a backbone with several next-byte heads (EvaByte: 8), its
+  head i (`initial_unembeddings`, Sec. 4.1). Identical ranks make every mixture equal to FF at
+  the start (CP with r = 1 *is* FF), so over the positions that have a head of their own an
+  initialised circuit is the backbone's own MTP model;
 - sum units: one projection per sum layer, omega = softmax(R e_t + b), R drawn small and random
   so that the ranks receive different gradients and drift apart;
 - HMM transitions are identity at the start: T = I + g (softmax(R e + b) - I) with a learnable
@@ -22,6 +25,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from mtpkit.models.arch import adapter_for
 from mtpkit.models.mtpc.circuits import ARCHS, CircuitParams, num_inner, prefix_log_probs
 
 
@@ -41,6 +45,12 @@ class MTPCConfig:
     """LoRA rank of the draft layers"""
     lora_alpha: float = 16.0
     """LoRA alpha of the draft layers"""
+    init_from_backbone_heads: bool = True
+    """on a backbone with H > 1 next-byte heads (EvaByte: 8, head h predicting x_{t+1+h}): window
+    position i starts from head min(i, H - 1), so positions < H make the initial circuit the
+    backbone's own MTP model (Sec. 4.1: EvaByte-MTP-CP starts equivalent to EvaByte-MTP); later
+    positions start from the last head (an approximation: the paper does not say). False, or a
+    one-head backbone (Llama): every position starts from the next-byte head"""
     circuit: str = "random-binary-tree"
     """arch=cirkit only: random-binary-tree | linear-tree | package.module:function(n, r, V) returning a
     smooth, decomposable cirkit symbolic circuit (models/mtpc/cirkit_head.py)"""
@@ -70,15 +80,32 @@ class _ClampST(torch.autograd.Function):
         return grad
 
 
+def initial_unembeddings(head_weights: torch.Tensor, n: int, from_heads: bool = True) -> torch.Tensor:
+    """The [n, V, d] matrices window positions 0..n-1 start from, given the backbone's
+    next-byte heads [H, V, d] (head h predicts x_{t+1+h}; an ordinary LM head is H = 1): head
+    min(i, H - 1) for position i, or head 0 everywhere when not `from_heads` (Sec. 4.1)."""
+    H = head_weights.shape[0]
+    if H == 1 or not from_heads:
+        return head_weights[0].detach().expand(n, -1, -1)  # a view: no copy of a large LM head
+    return head_weights.detach()[[min(i, H - 1) for i in range(n)]]
+
+
 class MTPCHead(nn.Module):
     def __init__(self, cfg: MTPCConfig, lm_head_weight: torch.Tensor, seed: int = 0):
+        """`lm_head_weight`: [V, d] (every position starts from it) or [n, V, d] (position i
+        from row i, `initial_unembeddings`)."""
         super().__init__()
         self.cfg = cfg
-        V, d = lm_head_weight.shape
         n, r, L = cfg.n, cfg.units, num_inner(cfg.arch, cfg.n)
+        start = lm_head_weight.detach()
+        start = start.expand(n, -1, -1) if start.dim() == 2 else start
+        if start.shape[0] != n:
+            raise ValueError(f"MTPCHead: {start.shape[0]} initial unembeddings for a window of {n}")
+        V, d = start.shape[1:]
         self.vocab_size, self.hidden_size = V, d
         g = torch.Generator().manual_seed(seed)
-        self.unembed = nn.Parameter(lm_head_weight.detach().float().clone()[None, None].repeat(n, r, 1, 1))
+        unembed = torch.empty(n, r, V, d, dtype=torch.float32, device=start.device)
+        self.unembed = nn.Parameter(unembed.copy_(start[:, None]))  # [n, r, V, d], fp32
         self.root = self.root_bias = self.inner = self.inner_bias = self.gate = None
         if cfg.arch != "ff":
             self.root = nn.Parameter(torch.randn(r, d, generator=g) * cfg.init_std)
@@ -147,24 +174,26 @@ def window_loss(params: CircuitParams, targets: torch.Tensor, valid: torch.Tenso
 class DraftLayers(nn.Module):
     """The draft's own copy of the backbone's last L decoder layers and final norm, with LoRA
     (Sec. 3.3, e_t = LLM_LoRA(L)); the verifier keeps the untouched originals and the first
-    N - L layers are shared. Layer indices are renumbered 0..L-1 for the draft's own KV cache."""
+    N - L layers are shared. Layer indices are renumbered 0..L-1 for the draft's own KV cache.
+    The layers run through the architecture's adapter (`mtpkit.models.arch`: its rotary
+    interface and layer signature), so with zero LoRA they compute the backbone's own states."""
 
-    def __init__(self, backbone, cfg: MTPCConfig):
+    def __init__(self, backbone, cfg: MTPCConfig, adapter=None):
         super().__init__()
         import copy
 
         from peft import LoraConfig, inject_adapter_in_model
 
-        body = backbone.model
-        total = len(body.layers)
+        adapter = adapter_for(backbone) if adapter is None else adapter
+        total = len(adapter.layers)
         if not 0 < cfg.lora_layers <= total:
             raise ValueError(f"lora_layers must be in 1..{total}, got {cfg.lora_layers}")
         self.start = total - cfg.lora_layers  # hidden_states[start] is the shared state
-        self.layers = nn.ModuleList(copy.deepcopy(body.layers[self.start:]))
+        self.layers = nn.ModuleList(copy.deepcopy(adapter.layers[self.start:]))
         for i, layer in enumerate(self.layers):
             layer.self_attn.layer_idx = i
-        self.norm = copy.deepcopy(body.norm)
-        self.__dict__["rotary"] = body.rotary_emb  # shared with the backbone, not a submodule
+        self.norm = copy.deepcopy(adapter.norm)
+        self.__dict__["adapter"] = adapter  # holds the backbone (its rotary tables): not a submodule
         for p in self.parameters():
             p.requires_grad_(False)
         inject_adapter_in_model(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
@@ -174,19 +203,13 @@ class DraftLayers(nn.Module):
     def forward(self, shared: torch.Tensor, position_ids: torch.Tensor, past_key_values=None) -> torch.Tensor:
         """shared [B, T, d] (after layer N - L) -> e [B, T, d] (normalised, as fed to the LM head).
         Without a cache the attention is causal over T; with one, T new positions attend to it."""
-        position_embeddings = self.rotary(shared, position_ids)
         mask, T = None, shared.shape[1]
         past = 0 if past_key_values is None else past_key_values.get_seq_length()
         if past and T > 1:  # new positions see the whole cache and each other causally
             allowed = torch.ones(T, past + T, dtype=torch.bool, device=shared.device).tril(past)
             mask = torch.zeros(T, past + T, dtype=shared.dtype, device=shared.device)
             mask = mask.masked_fill(~allowed, torch.finfo(shared.dtype).min)[None, None]
-        h = shared
-        for layer in self.layers:
-            h = layer(h, attention_mask=mask, position_ids=position_ids, past_key_values=past_key_values,
-                      use_cache=past_key_values is not None, position_embeddings=position_embeddings)
-            h = h[0] if isinstance(h, tuple) else h
-        return self.norm(h)
+        return self.norm(self.adapter.run_layers(self.layers, shared, position_ids, mask, past_key_values))
 
 
 class MTPCModel(nn.Module):
@@ -198,22 +221,23 @@ class MTPCModel(nn.Module):
         self.__dict__["backbone"] = backbone  # frozen and outside state_dict / DDP
         for p in backbone.parameters():
             p.requires_grad_(False)
-        lm_head = backbone.get_output_embeddings().weight
+        self.__dict__["adapter"] = adapter = adapter_for(backbone)  # the backbone's body and heads
+        start = initial_unembeddings(adapter.head_weights(), cfg.n, cfg.init_from_backbone_heads)  # [n, V, d]
         if cfg.arch == "cirkit":
             from mtpkit.models.mtpc.cirkit_head import CirkitHead, build_circuit
 
-            circuit = build_circuit(cfg.circuit, cfg.n, cfg.r, lm_head.shape[0])
-            self.head = CirkitHead(circuit, cfg.n, lm_head, init_std=cfg.init_std, seed=seed)
+            circuit = build_circuit(cfg.circuit, cfg.n, cfg.r, adapter.vocab_size)
+            self.head = CirkitHead(circuit, cfg.n, start, init_std=cfg.init_std, seed=seed)
         else:
-            self.head = MTPCHead(cfg, lm_head, seed=seed)
-        self.draft = DraftLayers(backbone, cfg) if cfg.lora_layers else None
+            self.head = MTPCHead(cfg, start, seed=seed)
+        self.draft = DraftLayers(backbone, cfg, adapter) if cfg.lora_layers else None
 
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """e_t for every position [B, T, d]: the backbone's final state, or the draft layers' on
         top of the shared state after layer N - L."""
         with torch.no_grad():
-            out = self.backbone.model(input_ids=input_ids, attention_mask=attention_mask,
-                                      output_hidden_states=self.draft is not None)
+            out = self.adapter.body(input_ids=input_ids, attention_mask=attention_mask,
+                                 output_hidden_states=self.draft is not None)
         if self.draft is None:
             return out.last_hidden_state
         shared = out.hidden_states[self.draft.start]

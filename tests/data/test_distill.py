@@ -75,7 +75,8 @@ def test_script_runs_as_documented(tmp_path):
 
     script = Path(__file__).resolve().parents[2] / "data" / "distill.py"
     help_text = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ("--backbone", "--data", "--out", "--limit", "--max-new-tokens", "--temperature", "--batch-size"):
+    for flag in ("--backbone", "--data", "--out", "--limit", "--max-new-tokens", "--temperature", "--batch-size",
+                 "--device", "--dtype", "--wait-timeout", "torchrun --nproc_per_node"):
         assert flag in help_text
     out = tmp_path / "d.jsonl"
     run = subprocess.run([sys.executable, str(script), *ARGS, "--limit", "2", "--out", str(out)],
@@ -121,12 +122,30 @@ def test_every_assistant_turn_is_regenerated_on_the_targets_own_history(tmp_path
 
 @pytest.mark.parametrize("bad", [["--limit", "0"], ["--limit", "-1"], ["--max-prompt-tokens", "0"],
                                  ["--max-turns", "0"], ["--temperature", "nan"], ["--temperature", "inf"],
-                                 ["--top-p", "nan"], ["--show", "-1"], ["--dtype", "int8"]])
+                                 ["--top-p", "nan"], ["--show", "-1"], ["--dtype", "int8"], ["--device", "tpu"],
+                                 ["--device", "cuda:99"], ["--wait-timeout", "0"]])
 def test_bad_values_are_refused_before_anything_runs(bad, tmp_path, capsys):
     out = tmp_path / "x.jsonl"
     with pytest.raises(SystemExit) as stop:
         distill_mod.main(ARGS + ["--out", str(out)] + bad)
     assert stop.value.code == 2 and bad[0] in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("flags, dtype", [([], "float32"), (["--dtype", "auto"], "float32"),
+                                          (["--dtype", "bfloat16"], "bfloat16"), (["--dtype", "fp16"], "float16")])
+def test_device_and_dtype_reach_the_model_and_the_generation(flags, dtype, tmp_path, monkeypatch):
+    """`--dtype auto` on a CPU is float32; the model generates on `--device`."""
+    import torch
+
+    seen, real_generate = [], distill_mod.generate
+
+    def spy(model, *args, **kwargs):
+        seen.append((model.dtype, model.device, args[-1].device))  # the sampling generator too
+        return real_generate(model, *args, **kwargs)
+
+    monkeypatch.setattr(distill_mod, "generate", spy)
+    distill_mod.main(ARGS + ["--limit", "2", "--device", "cpu", "--out", str(tmp_path / "d.jsonl")] + flags)
+    assert seen and set(seen) == {(getattr(torch, dtype), torch.device("cpu"), torch.device("cpu"))}
 
 
 @pytest.mark.parametrize("same", ["path", "relative", "symlink"])

@@ -119,3 +119,61 @@ def test_an_earlier_byte_lm_checkpoint_says_retrain(tmp_path):
     assert "\n" not in message and str(old) in message and "model.pt" in message and "retrain" in message
     with pytest.raises(SystemExit, match="not a checkpoint"):
         byte_lm.main(["--output-dir", str(tmp_path / "run"), "--resume", str(tmp_path), "--stdlib-mb", "0"])
+
+
+def test_device_flag_is_checked_before_anything_loads(monkeypatch):
+    assert engine.train_device("cpu", 1, deepspeed=False) == torch.device("cpu")
+    with pytest.raises(SystemExit, match="names one GPU, but 2 processes run"):
+        engine.train_device("cuda:1", 2, deepspeed=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert engine.train_device("auto", 1, deepspeed=False) == torch.device("cpu")
+    with pytest.raises(SystemExit, match="no CUDA device is visible"):
+        engine.train_device("cuda", 1, deepspeed=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit, match="--device cpu under DeepSpeed"):
+        engine.train_device("cpu", 2, deepspeed=True)
+    for argv, needle in ((["--device", "gpu"], "--device must be auto|cpu|cuda|cuda:N"),
+                         (["--dtype", "int8"], "--dtype must be one of auto")):
+        with pytest.raises(SystemExit):
+            gated_lora.parse_args(argv)
+    # the YAML key `dtype` (a recipe field before, the engine's now) still reads
+    assert mtpc.parse_args(["--config", str(ROOT / "configs/mtpc/evabyte-6.5b_btree_n16_heads.yaml")]).dtype == "bfloat16"
+    assert mtpc.parse_args([]).dtype == "auto" and gated_lora.parse_args(["--dtype", "fp32"]).dtype == "fp32"
+
+
+def test_autocast_follows_a_half_precision_backbone_unless_told():
+    assert engine.autocast_precision("auto", torch.float32) == "no"
+    assert engine.autocast_precision("auto", torch.bfloat16) == "bf16"
+    assert engine.autocast_precision("auto", torch.float16) == "fp16"
+    assert engine.autocast_precision("bf16", torch.float32) == "bf16"
+    with pytest.raises(SystemExit, match="--mixed-precision no with a bfloat16 backbone"):
+        engine.autocast_precision("no", torch.bfloat16)
+
+
+def test_a_bfloat16_backbone_trains_float32_parameters(tmp_path):
+    """--dtype bfloat16 on the CPU: the backbone is bfloat16, the forward runs under bf16 autocast,
+    and the trained LoRA, mask embeddings and sampler stay (and are saved) float32. A process of
+    its own: accelerate's state, fixed by the first Accelerator of a process, would keep an earlier
+    test's mixed precision."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"Add {i} and 1."},
+                                                       {"role": "assistant", "content": f"{i + 1}. Done."}]})
+                              for i in range(8)) + "\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "train/gated_lora.py", "--backbone", "tiny-llama-random", "--data", str(data),
+                           "--k", "2", "--rank", "4", "--max-length", "64", "--max-steps", "2", "--eval-every", "0",
+                           "--device", "cpu", "--dtype", "bfloat16", "--output-dir", str(out)],
+                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=""), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cpu, backbone bfloat16" in proc.stdout
+    assert "mixed_precision: auto" in (out / "config.yaml").read_text()
+    for name in ("adapter_model.safetensors", "mtp_head.safetensors"):
+        tensors = load_file(str(out / "checkpoint-2" / "head" / name))
+        assert tensors and {t.dtype for t in tensors.values()} == {torch.float32}, name

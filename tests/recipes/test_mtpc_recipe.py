@@ -20,16 +20,6 @@ TINY = ["--backbone", "tiny-byte-llama-random", "--max-length", "96", "--windows
         "--log-every", "1", "--eval-sequences", "2", "--rank", "3"]
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """Chat records written here (the built-in prompts with short made-up answers)."""
-    out = tmp_path_factory.mktemp("data") / "chat.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"Add {i} and {i + 1}."},
-                          {"role": "assistant", "content": f"{i} + {i + 1} = {2 * i + 1}. Done."}]} for i in range(24)]
-    out.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return out
-
-
 def steps(metrics: Path) -> list[dict]:
     return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
 

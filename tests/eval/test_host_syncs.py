@@ -1,0 +1,173 @@
+"""Host reads per decoding step on the device path (`Target.cpu_paths` off, run here on a CPU).
+
+On a GPU every read of a device tensor to the host (`.item()`, `.tolist()`, `bool()`, `int()`,
+`.cpu()`, `.numpy()`, `nonzero`, `torch.equal`, ...) makes the host wait for the device. The
+decoder may read the acceptance decision once per step. These tests count every such call during
+`decode`, step by step, reads of host data included (the draft tree's shape, the gated-LoRA
+gate's mask: CPU tensors on a GPU too, so no sync there), so a count bounds the real syncs from
+above. Bounds per greedy step (device reads + host-data reads):
+
+    ar           1 = the acceptance read (every row's argmax and the draft tokens, at once)
+    probe        4 = acceptance + the tree's top-k (one read for every depth) + parents + mask parents
+    gated_lora   6 = acceptance + parents + mask parents + the gate's mask (nonzero, span: 3 host reads)
+    gated_lora   7 with the sampler: + the k chained speculations, read once
+    mtpc         2 = acceptance + parents (the drafted window stays on the device)
+
+Oracle drafters get long acceptances, so a read per accepted node would break the bounds; they
+corrupt their drafts with Python's `random`, so they add no reads of their own.
+"""
+
+import contextlib
+import random
+
+import pytest
+import torch
+
+from mtpkit.eval.decoder import Target, decode
+from mtpkit.models.drafter import Drafter
+from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
+from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
+from mtpkit.models.probe import ProbeConfig, ProbeDrafter
+from tests.eval.test_mtpc_decoding import make_head
+from tests.models.test_gated_lora import make_gated
+
+TENSOR_READS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "__complex__", "cpu", "numpy",
+                "__array__", "nonzero")
+TORCH_READS = ("equal", "allclose", "nonzero", "is_nonzero")
+
+BOUNDS = {"ar": 1, "probe": 4, "gated_lora": 6, "gated_lora_sampler": 7, "mtpc": 2}
+
+
+@contextlib.contextmanager
+def counting_reads(drafter):
+    """Count every host read while decoding; `steps` gets the reads of each step (a step starts
+    at the drafter's `propose`)."""
+    marks, count = [], [0]
+
+    def counted(original):
+        def read(*args, **kwargs):
+            count[0] += 1
+            return original(*args, **kwargs)
+        return read
+
+    propose = drafter.propose
+
+    def marked(tokens):
+        marks.append(count[0])
+        return propose(tokens)
+
+    steps = []
+    with pytest.MonkeyPatch.context() as mp:
+        for name in TENSOR_READS:
+            mp.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+        for name in TORCH_READS:
+            mp.setattr(torch, name, counted(getattr(torch, name)))
+        mp.setattr(drafter, "propose", marked)
+        yield steps
+        marks.append(count[0])
+    steps += [b - a for a, b in zip(marks, marks[1:])]
+
+
+def device_target(model, gate=None) -> Target:
+    target = Target(model, gate)
+    target.cpu_paths = False  # the device path, on this CPU
+    return target
+
+
+def reads_per_step(target, drafter, prompt, new_tokens=40):
+    with counting_reads(drafter) as steps:
+        result = decode(target, drafter, prompt, new_tokens)
+    return steps, result
+
+
+class OracleProbe(ProbeDrafter):
+    """The real probe drafter (masks, tree building, its top-k read) whose mask distributions are
+    replaced by ones peaked on the true continuation, so its trees hold the AR path."""
+
+    def __init__(self, truth, config=ProbeConfig(bc=30)):
+        super().__init__(config)
+        self.truth = truth
+
+    def begin(self, target, prompt_ids):
+        super().begin(target, prompt_ids)
+        self.start = len(prompt_ids)
+
+    def propose(self, tokens):
+        done = len(tokens) - self.start
+        upcoming = self.truth[done: done + self.k]
+        if self.dists is not None and len(upcoming) == self.k:
+            peaked = torch.nn.functional.one_hot(torch.tensor(upcoming), self.table.shape[0]).float()
+            self.dists = (0.9 * peaked + 0.1 / self.table.shape[0]).to(self.table.device)
+        return super().propose(tokens)
+
+
+class OracleGated(GatedLoRADrafter):
+    """The real gated-LoRA drafter whose speculations are replaced by the true continuation,
+    corrupted at a random depth or not at all (as tests/eval/test_gated_decoding.py's oracle)."""
+
+    def __init__(self, truth, config, model, seed=0):
+        super().__init__(config, model)
+        self.truth, self.rng = truth, random.Random(seed)
+
+    def begin(self, target, prompt_ids):
+        super().begin(target, prompt_ids)
+        self.start = len(prompt_ids)
+
+    def propose(self, tokens):
+        if self.spec:
+            done = len(tokens) - self.start
+            spec = self.truth[done: done + len(self.spec)]
+            wrong = self.rng.randrange(2 * len(spec) + 1)
+            if wrong < len(spec):
+                spec[wrong] = (spec[wrong] + 1) % 400
+            self.spec = spec
+        return super().propose(tokens)
+
+
+PROMPT = list(range(10, 30))
+
+
+def test_ar_reads_once_per_step(tiny):
+    steps, result = reads_per_step(device_target(tiny[0]), Drafter(), PROMPT)
+    assert result.target_calls == len(steps) == 40
+    assert max(steps) <= BOUNDS["ar"], steps
+
+
+def test_probe_reads_at_most_four_times_per_step(tiny):
+    truth = decode(Target(tiny[0]), Drafter(), PROMPT, 40).tokens
+    steps, result = reads_per_step(device_target(tiny[0]), OracleProbe(truth), PROMPT)
+    assert result.tokens == truth and sum(result.accept_counts) > 5
+    assert max(steps) <= BOUNDS["probe"], steps
+
+
+@pytest.mark.parametrize("sampler", [False, True])
+def test_gated_lora_reads_per_step(tiny, sampler):
+    gated = make_gated(tiny[0], k=3, rank=4, seed=5)
+    truth = decode(Target(tiny[0]), Drafter(), PROMPT, 40).tokens
+    drafter = OracleGated(truth, GatedLoRADraftConfig(decoding="quadratic", sampler=sampler), gated, seed=1)
+    steps, result = reads_per_step(device_target(*drafter.adapt(None, {})), drafter, PROMPT)
+    assert result.tokens == truth and sum(result.accept_counts) > 5
+    assert max(steps) <= BOUNDS["gated_lora_sampler" if sampler else "gated_lora"], steps
+
+
+@pytest.mark.parametrize("arch,L", [("cp", 0), ("btree", 0), ("btree", 1)])
+def test_mtpc_reads_per_step(tiny_byte, arch, L):
+    """The real drafter (its windows do get accepted on the tiny byte model)."""
+    backbone = tiny_byte[0]
+    prompt = list(range(40, 60))
+    truth = decode(Target(backbone), Drafter(), prompt, 40).tokens
+    drafter = MTPCDrafter(MTPCDraftConfig(), model=make_head(backbone, arch, L))
+    steps, result = reads_per_step(device_target(backbone), drafter, prompt)
+    assert result.tokens == truth
+    assert max(steps) <= BOUNDS["mtpc"], steps
+
+
+def test_the_counter_sees_a_read_per_accepted_node(tiny, monkeypatch):
+    """The CPU path reads one argmax per visited node: the same oracle run breaks the bound there,
+    so the counter does see reads that grow with acceptance."""
+    truth = decode(Target(tiny[0]), Drafter(), PROMPT, 40).tokens
+    target = Target(tiny[0])
+    assert target.cpu_paths
+    steps, result = reads_per_step(target, OracleProbe(truth), PROMPT)
+    assert result.tokens == truth
+    assert max(steps) > BOUNDS["probe"], steps

@@ -1,0 +1,128 @@
+"""2-node jobs on one machine (launch/local_2node.sh: two launchers, one process per "node",
+rendezvous on 127.0.0.1): both trainers, torchrun DDP and accelerate + DeepSpeed ZeRO-2 and ZeRO-3
+(with the evaluation, which under ZeRO-3 needs every process); --max-grad-norm reaching DeepSpeed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtpkit.train import engine
+
+ROOT = Path(__file__).resolve().parents[2]
+GATED = ["--backbone", "tiny-llama-random", "--k", "2", "--rank", "4", "--max-length", "128", "--log-every", "1",
+         "--eval-prompts", "1", "--eval-max-new-tokens", "6"]
+MTPC = ["--backbone", "tiny-byte-llama-random", "--max-length", "64", "--windows-per-sequence", "4", "--rank", "3",
+        "--arch", "btree", "-n", "4", "--log-every", "1", "--eval-sequences", "2"]
+
+
+def run(cmd: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
+    """`cmd` in its own process group, the whole group killed if it outlives `timeout` (a hang
+    fails the test and leaves no launcher behind)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)}: no end after {timeout} s\n{out[-3000:]}{err[-2000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{out[-4000:]}{err[-2000:]}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def two_nodes(launcher: str, trainer: str, mode: str, args: list[str], timeout=240) -> str:
+    """launch/local_2node.sh's output (both nodes'); a failure or a hang fails the test."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_DISABLE_RICH="1", PYTHONPATH="", PYTHON=sys.executable)
+    return run(["bash", "launch/local_2node.sh", launcher, trainer, mode, *args, "--dist-timeout", "60"], env,
+               timeout).stdout
+
+
+def losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_mtpc_torchrun_ddp_and_deepspeed_zero2_across_two_nodes(data, tmp_path):
+    """The same run through torchrun (DDP) and accelerate + ZeRO-2, each over 2 nodes: the same
+    losses, so both saw a world of 2 processes and the same batches."""
+    common = [*MTPC, "--data", str(data), "--max-steps", "3", "--save-every", "3", "--eval-every", "0"]
+    ddp, zero2 = tmp_path / "ddp", tmp_path / "zero2"
+    text = two_nodes("torchrun", "mtpc", "DDP", [*common, "--output-dir", str(ddp)])
+    assert "[node 0] [model]" in text and "2 process(es)" in text
+    text = two_nodes("accelerate", "mtpc", "ZERO2", [*common, "--output-dir", str(zero2)])
+    assert "ZeRO stage 2 on 2 process(es)" in text
+    for out in (ddp, zero2):
+        assert (out / "checkpoint-3" / "head" / "head.safetensors").is_file()
+    assert list(losses(ddp)) == [1, 2, 3] and losses(ddp) == pytest.approx(losses(zero2), rel=1e-5)
+
+
+def test_gated_lora_zero2_and_zero3_with_evaluation_across_two_nodes(data, tmp_path):
+    """ZeRO-2 with --max-grad-norm 0.5 against the accelerate config's gradient_clipping 1.0 (the
+    flag wins, with a note); ZeRO-3 with --eval-every, where every process takes part in the
+    simulated tau (the main process alone would wait for the others until --dist-timeout)."""
+    common = [*GATED, "--data", str(data), "--max-steps", "2", "--save-every", "2"]
+    zero2, zero3 = tmp_path / "zero2", tmp_path / "zero3"
+    text = two_nodes("accelerate", "gated_lora", "ZERO2",
+                     [*common, "--eval-every", "0", "--max-grad-norm", "0.5", "--output-dir", str(zero2)])
+    assert "gradient_clipping 1.0 of the DeepSpeed/accelerate config replaced by --max-grad-norm 0.5" in text
+    assert "ZeRO stage 2 on 2 process(es); gradient clipping 0.5" in text  # read back from the DeepSpeed engine
+    text = two_nodes("accelerate", "gated_lora", "ZERO3", [*common, "--eval-every", "2", "--output-dir", str(zero3)])
+    assert "ZeRO stage 3 on 2 process(es)" in text
+    rows = [json.loads(line) for line in (zero3 / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("sim_tau", 0) >= 1.0 for r in rows)
+    for out in (zero2, zero3):
+        assert (out / "checkpoint-2" / "head" / "adapter_model.safetensors").is_file()
+    assert losses(zero2) == pytest.approx(losses(zero3), rel=1e-5)
+
+
+def test_max_grad_norm_is_written_into_the_deepspeed_config():
+    notes = []
+    for before, flag, note in ((1.0, 0.5, True), ("auto", 0.5, False), (0.5, 0.5, False), (1.0, 0.0, True)):
+        ds = {"gradient_clipping": before}
+        engine.set_gradient_clipping(ds, flag, notes.append)
+        assert ds["gradient_clipping"] == flag
+        assert len(notes) == note, (before, flag)
+        notes.clear()
+    ds = {}
+    engine.set_gradient_clipping(ds, 2.0, notes.append)
+    assert ds == {"gradient_clipping": 2.0} and not notes
+
+
+FAKE_SRUN = """#!/bin/bash
+# srun on one machine: its command once per node, SLURM_NODEID 0..SLURM_NNODES-1 (srun's flags dropped)
+while [[ $1 == --* ]]; do shift; done
+for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" & done
+rc=0; for p in $(jobs -p); do wait $p || rc=1; done; exit $rc
+"""
+
+
+def test_the_slurm_scripts_start_one_launcher_per_node(data, tmp_path):
+    """launch/slurm_*.sh under a stand-in srun that starts each node's command on this machine:
+    each node's shell reads its own SLURM_NODEID, and the two launchers form one world."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_DISABLE_RICH="1", PYTHONPATH="", SLURM_NNODES="2",
+               SLURM_JOB_NODELIST="node[0-1]", SLURM_JOB_ID="1", GPUS_PER_NODE="1",
+               PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}")
+    port = subprocess.run([sys.executable, "-c", "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); "
+                           "print(s.getsockname()[1])"], capture_output=True, text=True).stdout.strip()
+    runs = {"mtpc": (["launch/slurm_mtpc.sh", "configs/mtpc/byte-llama-12m_btree_n16.yaml", *MTPC, "--lora-layers", "0"],
+                     {}),
+            "gated_lora": (["launch/slurm_gated_lora.sh", "configs/gated_lora/smollm2-135m_k4.yaml", *GATED],
+                           {"ACCELERATE_CONFIG": "configs/accelerate/cpu_ddp.yaml"})}
+    for name, (cmd, extra) in runs.items():
+        out = tmp_path / name
+        proc = run(["bash", *cmd, "--data", str(data), "--max-steps", "2", "--save-every", "2", "--eval-every", "0",
+                    "--grad-accum", "1", "--dist-timeout", "60", "--output-dir", str(out)],
+                   {**env, "MAIN_PORT": port, **extra}, timeout=180)
+        assert "2 process(es)" in proc.stdout + proc.stderr
+        assert list(losses(out)) == [1, 2] and (out / "checkpoint-2" / "trainer_state.json").is_file()
