@@ -235,13 +235,6 @@ def main(argv=None) -> dict:
     accelerator = engine.setup(cfg, old_layout="start a new run from its head with --init-from {folder}")
     log = engine.printer(accelerator)
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    if engine.zero_stage(accelerator) == 3:
-        # ZeRO-3 gathers a module's split weights again for its backward through hooks on the
-        # module's output tensors; it cannot see the tensors inside the head's CircuitParams
-        # (a dataclass), so the head's backward would find its weights already split again
-        sys.exit("mtpc: DeepSpeed ZeRO-3 cannot train the circuit head yet (its output, CircuitParams, hides its "
-                 "tensors from ZeRO-3's backward hooks); use configs/accelerate/deepspeed_zero2.yaml or DDP")
-
     if cfg.init_from:  # read before the backbone loads, so a wrong folder fails at once
         try:
             init_state = read_weights(head_folder(cfg.init_from) / "head.safetensors")

@@ -31,15 +31,17 @@ backtracking, the greedy draft).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 ARCHS = ("ff", "cp", "hmm", "btree")
 
 
-@dataclass
-class CircuitParams:
+class CircuitParams(NamedTuple):
+    """A circuit's parameters for a batch of examples. A NamedTuple, so DeepSpeed ZeRO-3's hooks
+    see its tensors (they look inside tuples, lists and dicts) and re-gather the head's split
+    weights for the backward."""
     arch: str
     log_phi: torch.Tensor                 # [B, n, r, V]
     root: torch.Tensor | None = None      # [B, r]

@@ -47,18 +47,25 @@ def losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_mtpc_torchrun_ddp_and_deepspeed_zero2_across_two_nodes(data, tmp_path):
-    """The same run through torchrun (DDP) and accelerate + ZeRO-2, each over 2 nodes: the same
-    losses, so both saw a world of 2 processes and the same batches."""
-    common = [*MTPC, "--data", str(data), "--max-steps", "3", "--save-every", "3", "--eval-every", "0"]
-    ddp, zero2 = tmp_path / "ddp", tmp_path / "zero2"
-    text = two_nodes("torchrun", "mtpc", "DDP", [*common, "--output-dir", str(ddp)])
+def test_mtpc_torchrun_ddp_and_deepspeed_zero2_zero3_across_two_nodes(data, tmp_path):
+    """The same run through torchrun (DDP), accelerate + ZeRO-2 and accelerate + ZeRO-3 with
+    --eval-every, each over 2 nodes: the same losses, so all saw a world of 2 processes and the
+    same batches; under ZeRO-3 the head's split weights are gathered again for its backward (its
+    CircuitParams output is a tuple DeepSpeed's hooks see into) and every process evaluates."""
+    common = [*MTPC, "--data", str(data), "--max-steps", "3", "--save-every", "3"]
+    ddp, zero2, zero3 = tmp_path / "ddp", tmp_path / "zero2", tmp_path / "zero3"
+    text = two_nodes("torchrun", "mtpc", "DDP", [*common, "--eval-every", "0", "--output-dir", str(ddp)])
     assert "[node 0] [model]" in text and "2 process(es)" in text
-    text = two_nodes("accelerate", "mtpc", "ZERO2", [*common, "--output-dir", str(zero2)])
+    text = two_nodes("accelerate", "mtpc", "ZERO2", [*common, "--eval-every", "0", "--output-dir", str(zero2)])
     assert "ZeRO stage 2 on 2 process(es)" in text
-    for out in (ddp, zero2):
+    text = two_nodes("accelerate", "mtpc", "ZERO3", [*common, "--eval-every", "3", "--output-dir", str(zero3)])
+    assert "ZeRO stage 3 on 2 process(es)" in text
+    assert any("tf_acceptance" in json.loads(r) for r in (zero3 / "metrics.jsonl").read_text().splitlines())
+    for out in (ddp, zero2, zero3):
         assert (out / "checkpoint-3" / "head" / "head.safetensors").is_file()
-    assert list(losses(ddp)) == [1, 2, 3] and losses(ddp) == pytest.approx(losses(zero2), rel=1e-5)
+    assert list(losses(ddp)) == [1, 2, 3]
+    assert losses(ddp) == pytest.approx(losses(zero2), rel=1e-5)
+    assert losses(ddp) == pytest.approx(losses(zero3), rel=1e-5)
 
 
 def test_gated_lora_zero2_and_zero3_with_evaluation_across_two_nodes(data, tmp_path):
