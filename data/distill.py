@@ -118,32 +118,28 @@ def launcher_rank() -> tuple[int, int]:
 
 
 def read_done(out: Path) -> tuple[set[str], int]:
-    """Ids already written to `out`. Cuts off a half-written last line; counts unreadable lines."""
-    if not out.exists():
-        return set(), 0
-    raw = out.read_bytes()
-    complete = raw[: raw.rfind(b"\n") + 1]
-    if len(complete) != len(raw):  # an interrupted write left a partial line: drop it
-        with open(out, "r+b") as f:
-            f.truncate(len(complete))
-    done, bad = set(), 0
-    for line in complete.decode("utf-8", errors="replace").splitlines():
-        try:
-            done.add(str(json.loads(line)["id"]))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            bad += 1
-    return done, bad
+    """Ids already written to `out` (this process's own file). Cuts off a half-written last line;
+    counts unreadable lines."""
+    lines = read_lines(out, cut_partial=True)
+    return {i for i, _ in lines if i is not None}, sum(i is None for i, _ in lines)
 
 
-def read_lines(path: Path) -> list[tuple[str | None, bytes]]:
+def read_lines(path: Path, cut_partial: bool = False) -> list[tuple[str | None, bytes]]:
     """(id, line) for each complete line of `path`, id None where unreadable; a missing file is
-    empty and a half-written last line is ignored (another process may be writing it: no truncation)."""
+    empty. A half-written last line is ignored, or with `cut_partial` cut off the file (only for
+    a file no other process may be writing). Lines end at b"\\n" only: a record's text may hold
+    other Unicode line breaks (json.dumps(ensure_ascii=False) leaves U+2028 as it is)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         return []
+    complete = raw[: raw.rfind(b"\n") + 1]
+    if cut_partial and len(complete) != len(raw):  # an interrupted write left a partial line: drop it
+        with open(path, "r+b") as f:
+            f.truncate(len(complete))
     lines = []
-    for line in raw[: raw.rfind(b"\n") + 1].splitlines(keepends=True):
+    for line in complete.split(b"\n")[:-1]:
+        line += b"\n"
         try:
             lines.append((str(json.loads(line)["id"]), line))
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):

@@ -61,7 +61,7 @@ from tqdm import tqdm
 
 from mtpkit.data.chat import DataError, load_examples, prompt_ids
 from mtpkit.eval.decoder import PREFETCH_ROWS, Target, decode
-from mtpkit.eval.report import summarise, write_markdown, write_plot, write_tradeoff_plot
+from mtpkit.eval.report import dtype_table, summarise, write_markdown, write_plot, write_tradeoff_plot
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)
 from mtpkit.models.drafter import StockAR
@@ -328,31 +328,6 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
     return rounds, loads
 
 
-def dtype_table(by_dtype: dict[str, dict]) -> str:
-    """Markdown: per method, tokens/s, tau, speed-up vs AR and matches-AR in each dtype, and each
-    dtype's tokens/s over the first's."""
-    names = list(by_dtype)
-    first = by_dtype[names[0]]["methods"]
-    head = ["method"] + [f"{d} tok/s" for d in names] + [f"{d} / {names[0]}" for d in names[1:]] \
-        + [f"{d} tau" for d in names] + [f"{d} vs AR" for d in names] + [f"{d} = AR" for d in names]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for spec in first:
-        rows = [by_dtype[d]["methods"][spec] for d in names]
-        cell = lambda v, fmt: "-" if v is None else format(v, fmt)
-        cells = [spec] + [cell(r["tokens_per_s"], ".1f") for r in rows]
-        cells += [f"{rows[j]['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x" for j in range(1, len(rows))]
-        cells += [cell(r.get("tau"), ".2f") for r in rows] + [cell(r.get("speedup_vs_ar"), ".2f") for r in rows]
-        cells += [_match_cell(r) for r in rows]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _match_cell(r: dict) -> str:
-    if r.get("matches_ar") is None:
-        return "n/a"
-    return "yes" if r["matches_ar"] else f"no ({r.get('mismatches', '?')})"
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     paths = output_paths(args.out)
@@ -365,23 +340,19 @@ def main(argv=None) -> dict:
         sys.exit(f"bench: {e}")
     if args.compare_dtypes and len(dtypes) < 2:
         sys.exit(f"bench: --compare-dtypes {' '.join(args.compare_dtypes)} names fewer than two dtypes")
-    setups = {}
-    for name, dtype in dtypes.items():
-        if not setups:  # prompts and the context check need only the first target's tokenizer and config
-            first = build(args, device, dtype)
-            model = first.model
-            context = getattr(model.config, "max_position_embeddings", None)
-            try:
-                prompts = load_prompts(args.data, args.limit, args.per_category, first.tokenizer,
-                                       None if context is None else context - args.max_new_tokens)
-            except DataError as e:
-                sys.exit(f"bench: {e}")
-            if not prompts:
-                sys.exit(f"bench: no prompt of --data {' '.join(args.data)} fits the model's context "
-                         f"({context} - --max-new-tokens {args.max_new_tokens})")
-            setups[name] = first
-        else:
-            setups[name] = build(args, device, dtype)
+    names = list(dtypes)
+    first = build(args, device, dtypes[names[0]])
+    # the prompts and the context check need only the first target's tokenizer and config
+    context = getattr(first.model.config, "max_position_embeddings", None)
+    try:
+        prompts = load_prompts(args.data, args.limit, args.per_category, first.tokenizer,
+                               None if context is None else context - args.max_new_tokens)
+    except DataError as e:
+        sys.exit(f"bench: {e}")
+    if not prompts:
+        sys.exit(f"bench: no prompt of --data {' '.join(args.data)} fits the model's context "
+                 f"({context} - --max-new-tokens {args.max_new_tokens})")
+    setups = {names[0]: first, **{name: build(args, device, dtypes[name]) for name in names[1:]}}
     rounds, loads = run_rounds(args, setups, prompts, device)
 
     machine = {"cores": machine_cores(), "load_mean": round(statistics.mean(loads), 2), "load_max": round(max(loads), 2)}

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from mtpkit.models.arch import adapter_for
 from mtpkit.models.generate import target_probs
-from mtpkit.eval.verify import attention_inputs, verify_greedy, verify_sampling
+from mtpkit.eval.verify import attention_inputs, children_of, verify_greedy, verify_sampling, walk_greedy
 from mtpkit.models.drafter import Drafter, StepOutput
 from mtpkit.models.packed_linear import PackedLinear, cpu_paths
 
@@ -99,18 +99,6 @@ def rollback_cache(cache: DynamicCache, keep: int, accepted: list[int] | torch.T
         else:
             layer.keys = layer.keys[..., :keep, :]
             layer.values = layer.values[..., :keep, :]
-
-
-def accept_greedy(choices: list[int], children: list[list[int]], tokens: list[int]) -> tuple[list[int], int, int]:
-    """`verify_greedy` on argmaxes already read: `choices[node]` is the target's argmax after
-    `node`. Returns (accepted nodes, last accepted node, bonus token)."""
-    node, path = 0, []
-    while True:
-        nxt = next((c for c in children[node] if tokens[c] == choices[node]), None)
-        if nxt is None:
-            return path, node, choices[node]
-        path.append(nxt)
-        node = nxt
 
 
 @torch.no_grad()
@@ -192,15 +180,13 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
             def logits(rows: list[int]) -> torch.Tensor:
                 return every[rows]
 
-        children = [[] for _ in range(1 + N)]
-        for j, p in enumerate(draft_parents, start=1):
-            children[p].append(j)
+        children = children_of(draft_parents, 1 + N)
         choices = None  # the target's argmax of every row, when read at once
         if temperature <= 0 and not target.cpu_paths:
             # the acceptance decision in one host read: every row's argmax, then the draft tokens
             read = torch.cat([every.argmax(-1), draft.tokens.to(target.device)]).tolist()
             choices, step_tokens = read[: len(hidden)], [context[-1]] + read[len(hidden):]
-            accepted, last, bonus = accept_greedy(choices, children, step_tokens)
+            accepted, last, bonus = walk_greedy(choices.__getitem__, children, step_tokens)
         elif temperature <= 0:
             step_tokens = [context[-1]] + draft.tokens.tolist()
             accepted, last, bonus = verify_greedy(lambda n: logits([n])[0], children, step_tokens)

@@ -306,6 +306,24 @@ def _match(r: dict) -> str:
     return f"no: {r['mismatches']} differ, {r['near_tie_mismatches']} at near-ties"
 
 
+def dtype_table(by_dtype: dict[str, dict]) -> str:
+    """Markdown for one bench run over several target dtypes (`by_dtype`: dtype name -> its
+    results): per method, tokens/s in each dtype, each dtype's tokens/s over the first's, tau,
+    speed-up vs that dtype's AR and whether greedy outputs match it."""
+    names = list(by_dtype)
+    head = ["method"] + [f"{d} tok/s" for d in names] + [f"{d} / {names[0]}" for d in names[1:]] \
+        + [f"{d} tau" for d in names] + [f"{d} vs AR" for d in names] + [f"{d} = AR" for d in names]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for spec in by_dtype[names[0]]["methods"]:
+        rows = [by_dtype[d]["methods"][spec] for d in names]
+        cells = [spec] + [_fmt(r["tokens_per_s"], 1) for r in rows]
+        cells += [f"{r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x" for r in rows[1:]]
+        cells += [_fmt(r.get("tau")) for r in rows] + [_fmt(r.get("speedup_vs_ar")) for r in rows]
+        cells += [_match(r) for r in rows]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_plot(results: dict, path: Path) -> None:
     import matplotlib
 

@@ -48,10 +48,11 @@ def attention_inputs(parents: tuple[int, ...], cache_len: int, dtype: torch.dtyp
     return mask[None, None], (depth + cache_len)[None].to(device)
 
 
-def children_of(parents: torch.Tensor, num_nodes: int) -> list[list[int]]:
-    """children[i] for step nodes 0..num_nodes-1 (root + drafts) from the draft parents."""
+def children_of(parents: torch.Tensor | list[int], num_nodes: int) -> list[list[int]]:
+    """children[i] for step nodes 0..num_nodes-1 (root + drafts) from the draft parents (a
+    tensor, or host ints)."""
     children = [[] for _ in range(num_nodes)]
-    for j, p in enumerate(parents.tolist(), start=1):
+    for j, p in enumerate(parents.tolist() if isinstance(parents, torch.Tensor) else parents, start=1):
         children[p].append(j)
     return children
 
@@ -63,12 +64,19 @@ def verify_greedy(logits: Callable[[int], torch.Tensor], children: list[list[int
     logits(node) -> [V]; tokens[node] is the node's token (tokens[0], the root's, unused).
     Returns (accepted nodes, last accepted node, bonus token).
     """
+    return walk_greedy(lambda node: int(logits(node).argmax()), children, tokens)
+
+
+def walk_greedy(argmax: Callable[[int], int], children: list[list[int]],
+                tokens: list[int]) -> tuple[list[int], int, int]:
+    """`verify_greedy` on the target's argmax token after each node, `argmax(node)` (e.g. argmaxes
+    already read to the host)."""
     node, path = 0, []
     while True:
-        choice = int(logits(node).argmax())
-        nxt = next((c for c in children[node] if tokens[c] == choice), None)
+        best = argmax(node)
+        nxt = next((c for c in children[node] if tokens[c] == best), None)
         if nxt is None:
-            return path, node, choice
+            return path, node, best
         path.append(nxt)
         node = nxt
 

@@ -8,7 +8,7 @@ A recipe reads: cfg = parse_config(...); accelerator = setup(cfg, ...); build th
 optimizer; model, optimizer, scheduler, state = prepare(...); then its own loop (batch, forward
 and loss under `accelerator.accumulate`, then a `BackwardStep`: backward, clip, step, schedule, and the
 non-finite rule; log through `Window` and `MetricsWriter`; evaluate (on the main process, or on
-every process under ZeRO-3: `every_process_evaluates`); `checkpoints.save_checkpoint`), and `finish`.
+every process under ZeRO-3: `evaluates_here`); `checkpoints.save_checkpoint`), and `finish`.
 
 An output dir holds one run: a fresh run into a folder with another run's files is refused
 unless `--resume` (continue it) or `--overwrite 1` (delete that run's files first);
@@ -325,13 +325,13 @@ def prepare(accelerator, cfg: TrainArgs, model: torch.nn.Module, optimizer,
     return model, optimizer, lr_scheduler(optimizer, cfg, state["step"], progress), state
 
 
-def every_process_evaluates(accelerator) -> bool:
-    """Whether an evaluation runs on every process rather than on the main one alone: under
-    DeepSpeed ZeRO-3 on several processes, where the weights are split between the processes and
-    each layer's forward first gathers its weights from all of them, so every process must run
-    the same forwards in the same order (the main process alone would wait forever). Elsewhere the
-    main process evaluates and the others wait."""
-    return zero_stage(accelerator) == 3 and accelerator.num_processes > 1
+def evaluates_here(accelerator) -> bool:
+    """Whether this process runs the evaluation during training: the main process alone (the
+    others wait at a barrier), except under DeepSpeed ZeRO-3 on several processes, where the
+    weights are split between the processes and each layer's forward first gathers its weights
+    from all of them, so every process must run the same forwards in the same order (the main
+    process alone would wait forever)."""
+    return accelerator.is_main_process or (zero_stage(accelerator) == 3 and accelerator.num_processes > 1)
 
 
 def zero_stage(accelerator) -> int | None:

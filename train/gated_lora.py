@@ -146,9 +146,8 @@ def main(argv=None) -> dict:
     accelerator = engine.setup(cfg, old_layout="start a new run (its head/ folder still exports and decodes)")
     log = engine.printer(accelerator)
 
-    # loaded on the CPU: GatedMTP builds its mask embeddings there; accelerator.prepare moves it all
     base, tokenizer = load_backbone(cfg.backbone, dtype=engine.backbone_dtype(cfg, accelerator),
-                                    trust_remote_code=cfg.trust_remote_code)
+                                    trust_remote_code=cfg.trust_remote_code, device=accelerator.device)
     eos = eos_token_ids(base, tokenizer)
     try:
         features, train_text = build_features(cfg, tokenizer, log)
@@ -199,7 +198,7 @@ def main(argv=None) -> dict:
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps) and prompts:
             # ZeRO-3: every process decodes the same prompts (its forwards gather the split weights);
             # the same weights and inputs take the same greedy path, so the forwards match one for one
-            if accelerator.is_main_process or engine.every_process_evaluates(accelerator):
+            if engine.evaluates_here(accelerator):
                 t0 = time.perf_counter()
                 with accelerator.autocast():  # as in training (a half-precision backbone needs it)
                     result["sim_tau"] = simulated_tau(mtp, prompts, cfg, eos)

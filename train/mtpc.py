@@ -297,7 +297,7 @@ def main(argv=None) -> dict:
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps) and held:
             # ZeRO-3: every process runs the same held-out sequences (its forwards gather the split
             # weights); which forwards run depends on the data only, so they match one for one
-            if accelerator.is_main_process or engine.every_process_evaluates(accelerator):
+            if engine.evaluates_here(accelerator):
                 t0 = time.perf_counter()
                 with accelerator.autocast():  # as in training (a half-precision backbone needs it)
                     result["tf_acceptance"] = teacher_forced_acceptance(mtpc, held, tokenizer.pad_token_id,

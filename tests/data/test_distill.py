@@ -195,3 +195,12 @@ def test_user_errors_are_one_line_not_a_traceback(case, tmp_path, capsys, monkey
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("error: ") and needle in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_record_holding_a_unicode_line_break_counts_as_done(tmp_path):
+    """Lines end at "\\n" only: json.dumps(ensure_ascii=False) leaves U+2028 inside a record."""
+    out = tmp_path / "d.jsonl"
+    record = {"id": "a", "messages": [{"role": "assistant", "content": "one\u2028two\u0085three"}]}
+    out.write_text(json.dumps(record, ensure_ascii=False) + "\n" + '{"id": "b"', encoding="utf-8")
+    assert distill_mod.read_done(out) == ({"a"}, 0)
+    assert out.read_text(encoding="utf-8").endswith("three\"}]}\n")  # the half-written line is cut off

@@ -112,6 +112,33 @@ def test_bench_runs_a_gated_lora_head(tmp_path):
         assert methods[spec]["target_calls"] >= 4  # one per prompt at least, 4 categories
 
 
+def test_compare_dtypes_runs_every_method_on_each_dtype_in_one_run(tmp_path):
+    """--compare-dtypes: every method on a float32 and a bfloat16 target (the gated adapter cast to
+    the target's dtype), each dtype's results against its own AR, and the comparison table."""
+    import copy
+
+    from mtpkit.models.backbone import load_backbone
+    from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP, save_head
+
+    base, _ = load_backbone("tiny-llama-random")
+    save_head(GatedMTP(copy.deepcopy(base), GatedLoRAConfig(k=2, rank=4)), tmp_path / "head", "tiny-llama-random")
+    out = tmp_path / "r" / "results.json"
+    specs = ["probe:bc=10", f"gated_lora:head={tmp_path / 'head'},decoding=quadratic"]
+    bench.main(["--backbone", "tiny-llama-random", "--data", "builtin:eval", "--per-category", "1",
+                "--max-new-tokens", "12", "--methods", *specs, "--out", str(out), "--linear", "stock",
+                "--compare-dtypes", "float32", "bfloat16"])
+    results = json.loads(out.read_text())
+    assert list(results["dtypes"]) == ["float32", "bfloat16"]
+    for name, run in results["dtypes"].items():
+        assert run["config"]["dtype"] == name and list(run["methods"]) == ["ar", "hf_ar", *specs]
+        for spec in specs:
+            assert run["methods"][spec]["target_calls"] >= 4 and run["methods"][spec]["tokens_per_s"] > 0
+    assert all(results["dtypes"]["float32"]["methods"][spec]["matches_ar"] for spec in specs)
+    table = out.with_suffix(".md").read_text()
+    assert "| method | float32 tok/s | bfloat16 tok/s | bfloat16 / float32 |" in table
+    assert results["comparison"] in table
+
+
 def test_bench_runs_mtpc_heads(tmp_path):
     import torch
 

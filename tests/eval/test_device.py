@@ -17,7 +17,8 @@ from mtpkit.models.packed_linear import cpu_paths, packable
 from mtpkit.models.pld import PLDConfig, PLDDrafter, lookup
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
 from tests.eval.test_decoder import OracleDrafter, _check_step_outputs
-from tests.eval.test_host_syncs import OracleGated, OracleProbe
+from tests.eval.test_gated_decoding import OracleGated
+from tests.eval.test_host_syncs import OracleProbe
 from tests.eval.test_mtpc_decoding import OracleMTPC, make_head
 from tests.models.test_gated_lora import make_gated
 

@@ -18,16 +18,16 @@ corrupt their drafts with Python's `random`, so they add no reads of their own.
 """
 
 import contextlib
-import random
 
 import pytest
 import torch
 
 from mtpkit.eval.decoder import Target, decode
 from mtpkit.models.drafter import Drafter
-from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
+from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
+from tests.eval.test_gated_decoding import OracleGated
 from tests.eval.test_mtpc_decoding import make_head
 from tests.models.test_gated_lora import make_gated
 
@@ -98,29 +98,6 @@ class OracleProbe(ProbeDrafter):
         if self.dists is not None and len(upcoming) == self.k:
             peaked = torch.nn.functional.one_hot(torch.tensor(upcoming), self.table.shape[0]).float()
             self.dists = (0.9 * peaked + 0.1 / self.table.shape[0]).to(self.table.device)
-        return super().propose(tokens)
-
-
-class OracleGated(GatedLoRADrafter):
-    """The real gated-LoRA drafter whose speculations are replaced by the true continuation,
-    corrupted at a random depth or not at all (as tests/eval/test_gated_decoding.py's oracle)."""
-
-    def __init__(self, truth, config, model, seed=0):
-        super().__init__(config, model)
-        self.truth, self.rng = truth, random.Random(seed)
-
-    def begin(self, target, prompt_ids):
-        super().begin(target, prompt_ids)
-        self.start = len(prompt_ids)
-
-    def propose(self, tokens):
-        if self.spec:
-            done = len(tokens) - self.start
-            spec = self.truth[done: done + len(self.spec)]
-            wrong = self.rng.randrange(2 * len(spec) + 1)
-            if wrong < len(spec):
-                spec[wrong] = (spec[wrong] + 1) % 400
-            self.spec = spec
         return super().propose(tokens)
 
 

@@ -25,6 +25,7 @@ from mtpkit.models.drafter import Drafter
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel, window_loss, window_targets
 from mtpkit.models.mtpc.circuits import log_prob
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
+from tests.eval.test_mtpc_decoding import OracleMTPC
 
 V, HEADS = 320, 8  # EvaByte: 256 bytes + 64 specials, 8 next-byte heads
 
@@ -285,31 +286,6 @@ def test_the_head_starts_from_the_backbones_heads(tiny_eva, arch):
             ff = (e @ heads.double().transpose(1, 2)).log_softmax(-1)  # [8, 6, V]
             want = ff.gather(-1, x.T[..., None])[..., 0].sum(0)       # sum_i log head_i(x_i)
         torch.testing.assert_close(log_prob(params, x), want)
-
-
-class OracleMTPC(MTPCDrafter):
-    """The real drafter (head, draft layers and their cache run as usual), proposing the true
-    continuation corrupted at a seeded random depth, so long, partial and empty acceptances
-    all happen on a random backbone."""
-
-    def __init__(self, truth, model, seed):
-        super().__init__(MTPCDraftConfig(), model)
-        self.truth, self.gen_oracle = truth, torch.Generator().manual_seed(seed)
-
-    def begin(self, target, prompt_ids):
-        super().begin(target, prompt_ids)
-        self.start = len(prompt_ids)
-
-    def propose(self, tokens):
-        draft = super().propose(tokens)
-        if self.e is None:
-            return draft
-        done = len(tokens) - self.start
-        spec = list(self.truth[done: done + len(draft.tokens)]) or [0]
-        wrong = int(torch.randint(0, 2 * len(spec) + 1, (1,), generator=self.gen_oracle))
-        if wrong < len(spec):
-            spec[wrong] = (spec[wrong] + 1) % 256
-        return type(draft).chain(spec)
 
 
 @pytest.mark.parametrize("arch,L", [("btree", 0), ("btree", 1), ("cp", 1)])
