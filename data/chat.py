@@ -141,38 +141,34 @@ def _read_local(path: Path, report: LoadReport) -> list[tuple[int, dict]]:
 
 
 def load_examples(source: str, split: str = "train", limit: int | None = None) -> tuple[list[Example], LoadReport]:
-    """Read a local .jsonl/.json(.gz) file, `builtin`, or a `datasets` name.
+    """Read a local .jsonl/.json(.gz) file, a built-in prompt set, or a `datasets` name.
 
-    `builtin:eval` is the first BUILTIN_EVAL_PER_CATEGORY built-in prompts of each category and
-    `builtin:train` the rest, so a demo can train on one and measure on the other.
+    Built-in sets: `builtin` is prompts/builtin.jsonl (160 prompts, 40 per category);
+    `builtin:eval` its first BUILTIN_EVAL_PER_CATEGORY prompts of each category; `builtin:train`
+    the rest of builtin.jsonl followed by all of prompts/train.jsonl (400 more prompts, for
+    self-distillation), so a demo can train on one and measure on the other, and
+    `builtin:train --limit N` with N <= 120 reads only builtin.jsonl's prompts.
     Malformed records are skipped and counted in the report (file and line numbers).
     """
     report = LoadReport()
-    builtin, _, part = source.partition(":") if source.startswith("builtin") else (None, "", "")
-    if builtin is not None and (builtin != "builtin" or part not in ("", "train", "eval")):
-        raise DataError(f"unknown built-in prompt set {source!r}; use builtin, builtin:train or builtin:eval")
-    path = builtin_prompts_path() if builtin else Path(source).expanduser()
-    if path.suffix in (".jsonl", ".json", ".gz") or path.exists():
-        rows = _read_local(path, report)
+    if source.startswith("builtin"):
+        rows, origin = _builtin_rows(source, report), str(builtin_prompts_path())
+    elif (path := Path(source).expanduser()).suffix in (".jsonl", ".json", ".gz") or path.exists():
         origin = str(path)
+        rows = [(origin, number, record) for number, record in _read_local(path, report)]
     else:
-        rows = list(enumerate(_load_hub_dataset(source, split), start=1))
         origin = source
-    stem = path.name.split(".")[0]
-    examples, seen = [], {}
-    for number, record in rows:
-        if part:
-            cat = record.get("category")
-            seen[cat] = seen.get(cat, 0) + 1
-            if (seen[cat] <= BUILTIN_EVAL_PER_CATEGORY) != (part == "eval"):
-                continue
+        rows = [(origin, number, record) for number, record in enumerate(_load_hub_dataset(source, split), start=1)]
+    examples = []
+    for file, number, record in rows:  # file: where the record came from (builtin:train reads two)
         try:
             msgs = to_messages(record)
         except (ValueError, AttributeError, TypeError) as e:
-            report.bad_lines.setdefault(origin, []).append((number, str(e)))
+            report.bad_lines.setdefault(file, []).append((number, str(e)))
             continue
+        stem = Path(file).name.split(".")[0]
         examples.append(Example(id=_record_id(record, f"{stem}-{number}"), messages=msgs,
-                                category=str(record.get("category", "default")), source=origin))
+                                category=str(record.get("category", "default")), source=file))
         if limit is not None and len(examples) >= limit:
             break
     report.loaded = len(examples)
@@ -191,11 +187,42 @@ def _load_hub_dataset(name: str, split: str):
                         f"`datasets` failed ({type(e).__name__}: {e})") from e
 
 
+# The built-in prompt sets. builtin.jsonl: 160 prompts, 40 per category (code, math, chat,
+# summarisation); its first BUILTIN_EVAL_PER_CATEGORY of each category are `builtin:eval` and
+# never trained on. train.jsonl: 400 more prompts (code 140, math 140, chat 70, summarisation 50)
+# that only `builtin:train` reads, after builtin.jsonl's non-eval prompts.
 BUILTIN_EVAL_PER_CATEGORY = 10
+BUILTIN_PARTS = ("", "train", "eval")
 
 
 def builtin_prompts_path() -> Path:
+    """prompts/builtin.jsonl: the set `builtin` is, and `builtin:eval` / `builtin:train` split."""
     return Path(__file__).parent / "prompts" / "builtin.jsonl"
+
+
+def builtin_train_prompts_path() -> Path:
+    """prompts/train.jsonl: extra training prompts that `builtin:train` appends."""
+    return Path(__file__).parent / "prompts" / "train.jsonl"
+
+
+def _builtin_rows(source: str, report: LoadReport) -> list[tuple[str, int, dict]]:
+    """(file, line number, record) of `builtin`, `builtin:eval` or `builtin:train`."""
+    name, _, part = source.partition(":")
+    if name != "builtin" or part not in BUILTIN_PARTS:
+        raise DataError(f"unknown built-in prompt set {source!r}; use builtin, builtin:train or builtin:eval")
+    path = builtin_prompts_path()
+    rows, seen = [], {}
+    for number, record in _read_local(path, report):
+        if part:
+            cat = record.get("category") if isinstance(record, dict) else None
+            seen[cat] = seen.get(cat, 0) + 1
+            if (seen[cat] <= BUILTIN_EVAL_PER_CATEGORY) != (part == "eval"):
+                continue
+        rows.append((str(path), number, record))
+    if part == "train":
+        extra = builtin_train_prompts_path()
+        rows += [(str(extra), number, record) for number, record in _read_local(extra, report)]
+    return rows
 
 
 # --------------------------------------------------------------------------- tokenisation

@@ -8,9 +8,12 @@ the Future: Uncovering Its Multi-Token Prediction Potential" (Samragh et al., ar
     accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml train/gated_lora.py ...
     python train/gated_lora.py ...                                          # one process
 
-Every step: Figure-4 inputs (k masks after each loss-carrying token), one forward of the
-frozen backbone with LoRA gated on at mask positions, base + sampler cross-entropy and the
-latent-consistency loss, backward into LoRA, mask embeddings and sampler only.
+Every step: Figure-4 inputs (k masks after each loss-carrying token, or after a random
+--anchors share of them), the frozen backbone with LoRA gated on at mask positions, base +
+sampler cross-entropy and the latent-consistency loss (Eq. 1), backward into the LoRA and the
+sampler (and the mask embeddings with --train-mask-embeds 1). With --cache-ntp 1 (gated LoRA) the
+NTP tokens run once without gradient and the mask blocks attend to their cached keys/values:
+the same losses, the backward over the mask slots only.
 Writes to --output-dir: config.yaml (resolved), metrics.jsonl (every --log-every steps, plus
 `sim_tau` every --eval-every steps: acceptance length of real speculative decoding on held-out
 prompts), metrics.png (the same as curves, at the end), checkpoint-N/ (train/checkpoints.py:
@@ -32,12 +35,13 @@ import torch
 from tqdm import tqdm
 
 from mtpkit.data.chat import IGNORE, DataError, load_examples, prompt_ids, tokenize_chat
-from mtpkit.data.mtp import collate_mask_inputs, mask_inputs
+from mtpkit.data.mtp import choose_anchors, collate_cached, collate_mask_inputs, mask_inputs
 from mtpkit.eval.decoder import Target, decode
 from mtpkit.eval.report import write_training_plot
 from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
 from mtpkit.models.gated_lora.drafter import DECODINGS, GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP
+from mtpkit.models.gated_lora.model import LCM_DISTANCES
 from mtpkit.models.registry import METHODS
 from mtpkit.train import engine
 from mtpkit.train.checkpoints import save_checkpoint
@@ -64,6 +68,12 @@ class TrainConfig(TrainArgs):
     """tokens generated per simulated-tau prompt"""
     eval_decoding: str = "quadratic"
     """linear | quadratic decoding for the simulated tau"""
+    anchors: float = 1.0
+    """share of the loss-carrying positions that get a block of k masks each step, drawn at
+    random per step (1 = every one, the paper's Figure 4); the sequence grows by k x anchors"""
+    cache_ntp: bool = True
+    """gated LoRA: run the NTP tokens once without gradient and the mask blocks over their
+    cached keys/values (the same losses; the backward covers the mask slots only)"""
     trust_remote_code: bool = False
     """allow custom model code"""
     model: GatedLoRAConfig = dataclasses.field(default_factory=GatedLoRAConfig)
@@ -76,6 +86,8 @@ RULES: tuple[Rule, ...] = (
     ("eval_prompts", *at_least(1)),
     ("eval_max_new_tokens", *at_least(1)),
     ("eval_decoding", *one_of(DECODINGS)),
+    ("anchors", lambda v, cfg: 0 < v <= 1, "in (0, 1]"),
+    ("lcm", *one_of(LCM_DISTANCES)),
     ("k", *at_least(1)),
     ("rank", *at_least(1)),
     ("alpha", *above(0)),
@@ -171,10 +183,15 @@ def main(argv=None) -> dict:
                disable=not accelerator.is_main_process)
     result = {}
     model.train()
+    cached = cfg.cache_ntp and cfg.model.gated
     while step < cfg.max_steps:
         feats = engine.micro_batch(features, micro, accelerator, cfg)
-        slots = [mask_inputs(f["input_ids"], f["labels"], cfg.model.k) for f in feats]
-        batch = {k: v.to(accelerator.device) for k, v in collate_mask_inputs(slots).items()}
+        # the anchor draw depends on (seed, micro step, process) only: a resumed run draws the same
+        draw = torch.Generator().manual_seed(hash((cfg.seed, micro, accelerator.process_index)) % 2**63)
+        slots = [mask_inputs(f["input_ids"], f["labels"], cfg.model.k, choose_anchors(f["labels"], cfg.anchors, draw))
+                 for f in feats]
+        collated = collate_cached(slots) if cached else collate_mask_inputs(slots)
+        batch = {k: v if v is None else v.to(accelerator.device) for k, v in collated.items()}
         with accelerator.accumulate(model):
             losses = model(**batch)
             skipped = backward_step(losses["loss"])

@@ -58,7 +58,8 @@ def test_help_lists_every_flag(capsys):
         gated_lora.parse_args(["--help"])
     text = capsys.readouterr().out
     for flag in ("--config", "--backbone", "--data", "--output-dir", "--max-steps", "--grad-accum", "--k", "--rank",
-                 "--lcm-weight", "--eval-every", "--resume", "--mixed-precision"):
+                 "--lcm-weight", "--lcm", "--gated", "--train-mask-embeds", "--anchors", "--cache-ntp", "--eval-every",
+                 "--resume", "--mixed-precision"):
         assert flag in text
     assert "mask tokens appended after every loss-carrying token" in text  # docstrings become help
 
@@ -109,12 +110,13 @@ def test_deepspeed_zero2_two_processes_and_resume(data, tmp_path):
 
 @pytest.mark.parametrize("layout", ["current", "earlier"])
 def test_resume_gives_the_same_losses(data, tmp_path, layout, monkeypatch):
-    """4 steps straight == 2 steps + resume to 4. `current`: state/ of tensors and JSON only.
+    """4 steps straight == 2 steps + resume to 4, with a random half of the mask blocks (the resumed
+    run draws the same anchors). `current`: state/ of tensors and JSON only.
     `earlier`: state/ as accelerate's save_state wrote it (pickles), with the LR scheduler the
     earlier layout pickled (custom_checkpoint_0.pkl): refused without --trust-checkpoint 1, which
     resumes it exactly."""
     common = [*TINY, "--data", str(data), "--eval-every", "0", "--save-every", "2", "--grad-accum", "2",
-              "--warmup-steps", "3"]
+              "--warmup-steps", "3", "--anchors", "0.5"]
     gated_lora.main([*common, "--output-dir", str(tmp_path / "a"), "--max-steps", "4"])
     with monkeypatch.context() as m:
         if layout == "earlier":
