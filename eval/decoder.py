@@ -116,6 +116,8 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
     eos = set(eos_token_ids)
     cache = DynamicCache(config=target.config)
     drafter.sampling = temperature > 0
+    drafter.temperature = temperature
+    drafter.top_p = top_p
     drafter.begin(target, prompt_ids)
     tokens = list(prompt_ids)
     context = list(prompt_ids)  # fed as a causal chain; its last token is the root

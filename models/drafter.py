@@ -100,6 +100,12 @@ class Drafter:
     sampling: bool = False
     """set by the decoder before `begin`: True when drafts are verified by speculative sampling
     (a drafter that can sample its drafts then returns them with `draft_probs`)"""
+    temperature: float = 0.0
+    """set by the decoder with `sampling`: the temperature the verifier applies to the target's
+    logits (a drafter that samples draws from its own logits under the same transform)"""
+    top_p: float = 1.0
+    """set by the decoder with `sampling`: the nucleus the verifier keeps of the target's
+    distribution (1.0 = all of it)"""
 
     def adapt(self, model, shared: dict):
         """(model, gate) this drafter decodes with, given the plain target `model`. Drafters that

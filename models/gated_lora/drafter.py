@@ -13,9 +13,16 @@ k tokens: one forward both verifies and proposes.
   extra block after the root (k(k+1) in all) keeps the "k fresh speculations every step"
   promise when the first speculation is rejected.
 
-Speculations: y_0 = the bonus token; y_i = argmax W z_i (base head) or, with the sampler,
-argmax W MLP([E(y_{i-1}); z_i]). Drafts are deterministic, so speculative sampling treats
-them as one-hot proposals and stays exact.
+Speculations (Sec. 2.3): y_0 = the bonus token; the base head scores mask i with W z_i, the
+sampler with W MLP([E(y_{i-1}); z_i]), a chain. Greedy decoding (and `drafts=argmax`) takes each
+argmax: deterministic drafts, which speculative sampling treats as one-hot proposals. Under
+speculative sampling with `drafts=sample` each y_i is DRAWN from q_i = the head's distribution
+under the verifier's own transform (`target_probs`: temperature, then top-p), from the drafter's
+seeded generator, and the rows q_i go to the verifier as `draft_probs`: rejection sampling
+accepts y_i with min(1, p(y_i) / q_i(y_i)), so a head whose q is close to p gets far more accepted
+than a one-hot proposal (acceptance p(y_i)). With the sampler, q_i is conditioned on the drawn
+y_{i-1}, its parent in the draft chain. Both modes are exact: the output follows the target's
+distribution (tests/eval/test_gated_sampling.py).
 """
 
 from __future__ import annotations
@@ -29,8 +36,10 @@ from mtpkit.models.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.gated_lora.head import load_head
 from mtpkit.models.gated_lora.inference import to_inference
 from mtpkit.models.gated_lora.model import GatedMTP
+from mtpkit.models.generate import target_probs
 
 DECODINGS = ("linear", "quadratic")
+DRAFTS = ("sample", "argmax")
 
 
 @dataclass
@@ -44,6 +53,12 @@ class GatedLoRADraftConfig:
     k: int = 0
     """masks per block; 0 = the k the head was trained with. Fewer is exact for the same head
     (mask i only ever sees masks 1..i of its block), so one k=4 head also serves k=2"""
+    drafts: str = "sample"
+    """sample | argmax: under speculative sampling (temperature > 0), draw each speculation from
+    the head's tempered (and top-p) distribution and verify it against that q (sample), or take
+    the argmax, verified as a one-hot proposal (argmax). Greedy decoding always takes the argmax"""
+    seed: int = 0
+    """seed of the drafter's own generator (drafts=sample under speculative sampling only)"""
 
 
 class GatedLoRADrafter(Drafter):
@@ -52,10 +67,15 @@ class GatedLoRADrafter(Drafter):
     def __init__(self, config: GatedLoRADraftConfig = GatedLoRADraftConfig(), model: GatedMTP | None = None):
         if config.decoding not in DECODINGS:
             raise ValueError(f"gated_lora decoding must be one of {DECODINGS}, got {config.decoding!r}")
+        if config.drafts not in DRAFTS:
+            raise ValueError(f"gated_lora drafts must be one of {DRAFTS}, got {config.drafts!r}")
         if model is None and not config.head:
             raise ValueError("gated_lora needs head=DIR (a folder written by train/export.py)")
         self.config = config
         self.model = model
+        # seeded once, not per prompt: every decode must draw fresh speculations (drafts repeated
+        # across runs are not samples from q, and the acceptance rule would be biased)
+        self.gen = torch.Generator().manual_seed(config.seed)
 
     def adapt(self, model, shared: dict):
         """A copy of `model` carrying the gated adapter (one copy per head folder), and its gate."""
@@ -77,7 +97,13 @@ class GatedLoRADrafter(Drafter):
             raise ValueError(f"gated_lora k={self.config.k}: the head was trained with k={trained}")
         self.k = self.config.k or trained
         self.masks = self.model.mask_embeds.detach()[: self.k]
+        self.sample = self.sampling and self.config.drafts == "sample"
+        if self.sample and self.gen.device != target.device:  # draws run where the head does
+            self.gen = torch.Generator(target.device).manual_seed(self.config.seed)
+        # the next speculations and, when drawn, the q [len(spec), V] each was drawn from: always
+        # set together, so the draft's tokens and its draft_probs rows stay aligned
         self.spec: list[int] = []
+        self.spec_probs: torch.Tensor | None = None
         self.blocks: dict[int, list[int]] = {}
 
     def propose(self, tokens: list[int]) -> Draft:
@@ -89,15 +115,18 @@ class GatedLoRADrafter(Drafter):
             self.blocks[node] = list(range(first, first + k))
             extra_parents += [node] + list(range(first, first + k - 1))
         return Draft(tokens=torch.tensor(self.spec, dtype=torch.long), parents=torch.arange(N),
-                     extra_embeds=self.masks.repeat(len(anchors), 1),
+                     draft_probs=self.spec_probs, extra_embeds=self.masks.repeat(len(anchors), 1),
                      extra_parents=torch.tensor(extra_parents, dtype=torch.long))
 
     def observe(self, step: StepOutput) -> None:
         rows = self.blocks.get(step.last_node)
+        self.spec_probs = None
         if rows is None:  # linear decoding after a partial acceptance: nothing to speculate
             self.spec = []
             return
-        if self.config.sampler:  # y_i = argmax W MLP([E(y_{i-1}); z_i]), chained on the device
+        if self.sample:
+            self.spec, self.spec_probs = self._draw(step, rows)
+        elif self.config.sampler:  # y_i = argmax W MLP([E(y_{i-1}); z_i]), chained on the device
             z = step.hidden[rows]  # [k, d]
             prev, spec = torch.tensor(step.new_tokens[-1], device=z.device), []
             for i in range(self.k):
@@ -108,3 +137,19 @@ class GatedLoRADrafter(Drafter):
             self.spec = [step.choices[r] for r in rows]
         else:
             self.spec = step.logits(rows).argmax(-1).tolist()
+
+    def _draw(self, step: StepOutput, rows: list[int]) -> tuple[list[int], torch.Tensor]:
+        """k speculations drawn from the head under the verifier's transform, and the q [k, V]
+        each was drawn from (row i given y_0..y_{i-1}: the sampler chains on the drawn tokens)."""
+        T, top_p = self.temperature, self.top_p
+        if self.config.sampler:  # y_i ~ q_i = target_probs(W MLP([E(y_{i-1}); z_i])), chained
+            z = step.hidden[rows]  # [k, d]
+            prev, spec, probs = torch.tensor(step.new_tokens[-1], device=z.device), [], []
+            for i in range(self.k):
+                q = target_probs(self.model.sampler_logits(prev, z[i])[None], T, top_p)[0]  # [V]
+                prev = torch.multinomial(q, 1, generator=self.gen)[0]
+                spec.append(prev)
+                probs.append(q)
+            return torch.stack(spec).tolist(), torch.stack(probs)  # one host read for the k draws
+        q = target_probs(step.logits(rows), T, top_p)  # [k, V]: q_i = target_probs(W z_i)
+        return torch.multinomial(q, 1, generator=self.gen)[:, 0].tolist(), q

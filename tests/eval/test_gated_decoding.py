@@ -86,6 +86,8 @@ def test_acceptance_paths_with_an_oracle(tiny, gated, decoding):
 def test_bad_options_are_clear(gated):
     with pytest.raises(ValueError, match="decoding"):
         GatedLoRADrafter(GatedLoRADraftConfig(decoding="cubic"), model=gated)
+    with pytest.raises(ValueError, match="drafts must be one of"):
+        GatedLoRADrafter(GatedLoRADraftConfig(drafts="beam"), model=gated)
     with pytest.raises(ValueError, match="head=DIR"):
         GatedLoRADrafter(GatedLoRADraftConfig())
     d = GatedLoRADrafter(GatedLoRADraftConfig(k=5), model=gated)
