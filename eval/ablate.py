@@ -15,7 +15,8 @@ with the same budget, bench them all in one interleaved run, measure the base mo
    interrupted one; a variant folder trained with other flags is refused.
 2. Variants (`VARIANTS`; `a+b` composes two, e.g. `no-lcm+k2`): `full` the recipe as is,
    `no-lcm`, `no-sampler`, `basic` (neither: Figure 7's baseline), `plain-lora` (LoRA on at every
-   position, Figure 6), `kN` (N masks), `lcm-per-dim`, `train-masks`.
+   position, Figure 6), `kN` (N masks), `lcm-per-dim`, `train-masks`, `paper-step` (the
+   paper's training step, against the recipe's cheaper one: tau per step and wall-clock).
 3. One eval/bench.py run (OUT/bench/, log bench.log) over every head (checkpoint-N/head/): every
    variant quadratic; `full` and `basic` also linear; `full` also at k=2 if trained with k > 2 (the
    same head: mask i sees masks 1..i only). A plain-LoRA head is not lossless (its drafts are
@@ -71,6 +72,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "plain-lora": (["--gated", "0"], "LoRA on at every position, not only the masks (Figure 6; not lossless)"),
     "lcm-per-dim": (["--lcm", "l2_per_dim"], "the LCM distance per dimension"),
     "train-masks": (["--train-mask-embeds", "1"], "trainable mask embeddings"),
+    "paper-step": (["--anchors", "1", "--cache-ntp", "0"],
+                   "the paper's training step: a mask block after every answer token, one forward"),
 }
 """variant name -> (train/gated_lora.py flags, what it ablates); `kN` (N masks) and `a+b` besides"""
 K_VARIANT = re.compile(r"k([1-9]\d*)")
