@@ -53,7 +53,7 @@ gated-best: $(STAMP)
 	$(PY) data/distill.py --backbone smollm2-135m-instruct --data builtin:train --max-new-tokens 128 \
 		--batch-size 8 --out $(BEST)/distilled.jsonl
 	$(PY) train/gated_lora.py --config configs/gated_lora/smollm2-135m_k4.yaml --data $(BEST)/distilled.jsonl \
-		--output-dir $(BEST)/gated_lora --resume auto
+		--output-dir $(BEST)/gated_lora --decay-steps 100 --min-lr-ratio 0.1 --resume auto
 	$(PY) train/export.py --checkpoint $(BEST)/gated_lora --out $(BEST)/export
 	$(PY) eval/bench.py --backbone smollm2-135m-instruct --data builtin:eval --per-category 2 --max-new-tokens 96 \
 		--rounds 2 --out $(BEST)/bench/results.json --methods ar probe:bc=10 \
