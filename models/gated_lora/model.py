@@ -240,7 +240,10 @@ class GatedMTP(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         missing, unexpected = super().load_state_dict(state_dict, strict=False, assign=assign)
-        missing = [k for k in missing if k not in self._backbone_names()]
+        # frozen mask embeddings may be absent (a trainer's state/ holds trainable tensors only):
+        # they are the seeded init, rebuilt the same by the constructor
+        optional = self._backbone_names() | ({"mask_embeds"} if not self.mask_embeds.requires_grad else set())
+        missing = [k for k in missing if k not in optional]
         if strict and (missing or unexpected):
             raise RuntimeError(f"GatedMTP.load_state_dict: missing trainable {missing[:5]}, unexpected {unexpected[:5]}")
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)

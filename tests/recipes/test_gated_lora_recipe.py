@@ -145,14 +145,14 @@ def test_resume_gives_the_same_losses(data, tmp_path, layout, monkeypatch):
 def test_export_round_trip(data, tmp_path):
     run = tmp_path / "run"
     gated_lora.main([*TINY, "--data", str(data), "--output-dir", str(run), "--max-steps", "3", "--eval-every", "0",
-                     "--lr", "0.05"])
+                     "--lr", "0.05", "--train-mask-embeds", "1"])
     folder = export.main(["--checkpoint", str(run), "--out", str(tmp_path / "export")])
     card = (folder / "README.md").read_text()
     assert "k = 2" in card and "tiny-llama-random" in card
     base, _ = load_backbone("tiny-llama-random")
     loaded = load_head(folder, copy.deepcopy(base)).eval()
     # the trained model, rebuilt from the accelerate checkpoint's own weights
-    trained = GatedMTP(copy.deepcopy(base), GatedLoRAConfig(k=2, rank=4))
+    trained = GatedMTP(copy.deepcopy(base), GatedLoRAConfig(k=2, rank=4, train_mask_embeds=True))
     trained.load_state_dict(load_file(str(run / "checkpoint-3" / "state" / "model.safetensors")))
     trained.eval()
     assert not torch.equal(trained.mask_embeds, GatedMTP(copy.deepcopy(base), GatedLoRAConfig(k=2, rank=4)).mask_embeds)
@@ -185,6 +185,6 @@ def test_config_errors_name_the_file_and_key(tmp_path):
     with pytest.raises(SystemExit):
         gated_lora.parse_args(["--k", "two"])
     cfg = gated_lora.parse_args(["--config", str(ROOT / "configs/gated_lora/smollm2-135m_k4.yaml"), "--k", "2"])
-    assert cfg.model.k == 2 and cfg.max_steps == 600 and cfg.lr == 5e-4
+    assert cfg.model.k == 2 and cfg.max_steps == 360 and cfg.lr == 1e-3 and cfg.anchors == 0.25
     paper = gated_lora.parse_args(["--config", str(ROOT / "configs/gated_lora/tulu3-8b_k8.yaml")])
     assert (paper.model.k, paper.model.rank, paper.lr, paper.warmup_steps, paper.max_steps) == (8, 128, 2e-4, 5000, 50000)
