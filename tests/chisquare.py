@@ -29,3 +29,17 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     except ImportError:  # Wilson-Hilferty: the p = 0.001 critical value
         critical = df * (1 - 2 / (9 * df) + 3.0902 * math.sqrt(2 / (9 * df))) ** 3
         return 1.0 if stat <= critical else 0.0
+
+
+def reference_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """softmax(logits / T) [V] restricted to the top-p nucleus, written out here rather than taken
+    from `target_probs` (which decoder and drafters share), so a wrong temperature or nucleus in
+    the decoding path cannot hide in the tests' reference too."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    if top_p < 1.0:
+        order = probs.argsort(descending=True)
+        sorted_probs = probs[order]
+        kept = order[sorted_probs.cumsum(0) - sorted_probs < top_p]
+        probs = torch.zeros_like(probs).index_copy(0, kept, probs[kept])
+        probs = probs / probs.sum()
+    return probs

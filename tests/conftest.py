@@ -1,5 +1,6 @@
 """Shared fixtures. Tiny random backbones are built once per session (seconds)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,13 @@ def shared_data():
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} is absent (development data lives beside the checkout)")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Chat records written here (short made-up questions and answers)."""
+    out = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"Add {i} and {i + 1}."},
+                          {"role": "assistant", "content": f"{i} + {i + 1} = {2 * i + 1}. Done."}]} for i in range(24)]
+    out.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return out

@@ -34,15 +34,6 @@ def recipe(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("data") / "chat.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"Add {i} and {i + 1}."},
-                          {"role": "assistant", "content": f"{i} + {i + 1} = {2 * i + 1}. Done."}]} for i in range(12)]
-    out.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return out
-
-
 def launches(log: Path) -> list[str]:
     """The trainer command lines ablate wrote into a variant's train.log, one per launch."""
     return [line for line in log.read_text().splitlines() if line.startswith("# ") and "gated_lora.py" in line]

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import mtpkit.eval.decoder as decoder_module
-from chisquare import chi2_pvalue
+from chisquare import chi2_pvalue, reference_probs
 from mtpkit.data.chat import load_examples, prompt_ids
 from mtpkit.eval.decoder import Target, decode, rollback_cache
 from mtpkit.models.generate import generate
@@ -315,24 +315,10 @@ class FixedChainDrafter(Drafter):
         return Draft.chain(self.tokens)
 
 
-def _reference_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """softmax(logits / T) [V] restricted to the top-p nucleus, written out here rather than taken
-    from target_probs, so a wrong temperature or nucleus in the decoder's path cannot hide in the
-    reference too."""
-    probs = torch.softmax(logits.double() / temperature, -1)
-    if top_p < 1.0:
-        order = probs.argsort(descending=True)
-        sorted_probs = probs[order]
-        kept = order[sorted_probs.cumsum(0) - sorted_probs < top_p]
-        probs = torch.zeros_like(probs).index_copy(0, kept, probs[kept])
-        probs = probs / probs.sum()
-    return probs
-
-
 def _exact_joint(target: Target, top_p: float, temperature: float = 1.0) -> torch.Tensor:
     """[V, V] target probability of the first two generated tokens, by enumeration."""
     with torch.no_grad():
-        probs = lambda ids: _reference_probs(target.model(input_ids=torch.tensor([ids])).logits[0, -1], temperature, top_p)
+        probs = lambda ids: reference_probs(target.model(input_ids=torch.tensor([ids])).logits[0, -1], temperature, top_p)
         first = probs(PROMPT)
         second = torch.stack([probs(PROMPT + [x]) for x in range(VOCAB)])
     return first[:, None] * second

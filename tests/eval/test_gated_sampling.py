@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from chisquare import chi2_pvalue
+from chisquare import chi2_pvalue, reference_probs
 from mtpkit.eval.decoder import Target, decode
 from mtpkit.models.gated_lora import to_inference
 from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
@@ -56,20 +56,6 @@ def close_head(base, k=2):
         first.bias.fill_(10.0)
         second.bias.fill_(10.0)
     return to_inference(gated)
-
-
-def reference_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """softmax(logits / T) [V] restricted to the top-p nucleus, written out here rather than taken
-    from `target_probs` (which decoder and drafter share), so a wrong transform cannot hide in
-    the reference too."""
-    probs = torch.softmax(logits.double() / temperature, -1)
-    if top_p < 1.0:
-        order = probs.argsort(descending=True)
-        sorted_probs = probs[order]
-        kept = order[sorted_probs.cumsum(0) - sorted_probs < top_p]
-        probs = torch.zeros_like(probs).index_copy(0, kept, probs[kept])
-        probs = probs / probs.sum()
-    return probs
 
 
 @torch.no_grad()
