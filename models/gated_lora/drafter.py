@@ -96,7 +96,7 @@ class GatedLoRADrafter(Drafter):
         if not 0 <= self.config.k <= trained:
             raise ValueError(f"gated_lora k={self.config.k}: the head was trained with k={trained}")
         self.k = self.config.k or trained
-        self.masks = self.model.mask_embeds.detach()[: self.k]
+        self.masks = self.model.mask_embeds.detach()[: self.k].to(self.model.embed.weight.dtype)
         self.sample = self.sampling and self.config.drafts == "sample"
         if self.sample and self.gen.device != target.device:  # draws run where the head does
             self.gen = torch.Generator(target.device).manual_seed(self.config.seed)

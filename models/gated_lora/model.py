@@ -192,8 +192,9 @@ class GatedMTP(nn.Module):
         # as random vectors and added to the embedding table")
         # drawn on the CPU, so the init is the same on any device
         init = table.mean(0) + table.std(0) * torch.randn(config.k, d).to(table.device)
-        self.mask_embeds = nn.Parameter(init.to(self.embed.weight.dtype),  # [k, d]
-                                        requires_grad=config.train_mask_embeds)
+        # float32 whatever the backbone's dtype (cast where used): frozen or trained, the head
+        # file holds the same float32 init on any backbone dtype
+        self.mask_embeds = nn.Parameter(init, requires_grad=config.train_mask_embeds)  # [k, d] float32
         self.sampler = SamplerMLP(d).to(self.embed.weight.dtype) if config.sampler else None
 
     @property
