@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpkit.data.chat import IGNORE, DataError, load_examples, tokenize_chat
-from mtpkit.eval.report import MARK, _fmt, _match, _ratio, timing_warnings
+from mtpkit.eval.report import MARK, fmt, match_cell, ratio_cell, timing_warnings
 from mtpkit.models.backbone import DTYPE_CHOICES, DEVICE_CHOICES, load_backbone
 from mtpkit.models.gated_lora import load_head
 from mtpkit.models.heads import write_atomic
@@ -452,9 +452,9 @@ def markdown(report: dict, table: list[dict], results: dict) -> str:
             plain.add(name)
         r = results["methods"][row["spec"]]
         lines.append(f"| {row['group']} | {name}{' †' if name in plain else ''} | {row['decoding']} | "
-                     f"{_fmt(r['tau'])} | {_fmt(r['tokens_per_s'], 1)} | "
-                     f"{_ratio(r['speedup_vs_ar'], (row['spec'], None) in flagged)} | {_match(r)} | "
-                     f"{_fmt(q.get(name, {}).get('ce'), 3)} | {row['holds']} |")
+                     f"{fmt(r['tau'])} | {fmt(r['tokens_per_s'], 1)} | "
+                     f"{ratio_cell(r['speedup_vs_ar'], (row['spec'], None) in flagged)} | {match_cell(r)} | "
+                     f"{fmt(q.get(name, {}).get('ce'), 3)} | {row['holds']} |")
     if plain:
         lines += ["", "† LoRA on at every position: its drafts are verified by the LoRA-changed model, not the base, "
                   "so its outputs differ from AR (not lossless) and its tau is not a lossless head's."]

@@ -21,8 +21,9 @@ from transformers import DynamicCache
 
 from mtpkit.models.arch import adapter_for
 from mtpkit.models.generate import target_probs
-from mtpkit.eval.verify import attention_inputs, children_of, verify_greedy, verify_sampling, walk_greedy
+from mtpkit.eval.verify import attention_inputs, verify_greedy, verify_sampling, walk_greedy
 from mtpkit.models.drafter import Drafter, StepOutput
+from mtpkit.models.trees import children_of
 from mtpkit.models.packed_linear import PackedLinear, cpu_paths
 
 # on a packed LM head, steps of up to this many rows get their logits in one call. Reading the
@@ -144,7 +145,9 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
             mask = None
             position_ids = torch.arange(cache_len, cache_len + len(parents), device=target.device)[None]
         else:
-            mask, position_ids = attention_inputs(tuple(parents), cache_len, target.dtype, target.device)
+            layout = draft.layout if c == 1 else None  # a bank's tree: laid out for a root-only context
+            mask, position_ids = attention_inputs(tuple(parents) if layout is None else (), cache_len,
+                                                  target.dtype, target.device, layout=layout)
 
         gated = contextlib.nullcontext()
         if target.gate is not None:  # the adapter is on for the extra nodes (mask tokens) only
@@ -182,7 +185,7 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
             def logits(rows: list[int]) -> torch.Tensor:
                 return every[rows]
 
-        children = children_of(draft_parents, 1 + N)
+        children = draft.children if draft.children is not None else children_of(draft_parents, 1 + N)
         choices = None  # the target's argmax of every row, when read at once
         if temperature <= 0 and not target.cpu_paths:
             # the acceptance decision in one host read: every row's argmax, then the draft tokens

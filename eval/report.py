@@ -224,13 +224,13 @@ def baseline_line(results: dict) -> str | None:
     return f"AR baseline: {ar['tokens_per_s']:.1f} tokens/s = " + ", ".join(parts) + " (median of the per-round ratios)"
 
 
-def _fmt(x, digits=2):
+def fmt(x, digits=2):
     return "-" if x is None else (f"{x:.{digits}f}" if isinstance(x, float) else str(x))
 
 
-def _ratio(x, flagged: bool) -> str:
+def ratio_cell(x, flagged: bool) -> str:
     """A speed-up as printed: never bare when a timing warning applies to it."""
-    return _fmt(x) + (f" {MARK}" if flagged and x is not None else "")
+    return fmt(x) + (f" {MARK}" if flagged and x is not None else "")
 
 
 def _spread_cell(r: dict) -> str:
@@ -273,13 +273,13 @@ def markdown_table(results: dict, per_cycle: bool = True) -> str:
               + ("---|" if cost else "")]
     for spec, r in results["methods"].items():
         bad = (spec, None) in flagged
-        lines.append(f"| {spec} | {_fmt(r['tau'])} | {_fmt(r['tokens_per_s'], 1)} | {_ratio(r['speedup_vs_ar'], bad)} | "
+        lines.append(f"| {spec} | {fmt(r['tau'])} | {fmt(r['tokens_per_s'], 1)} | {ratio_cell(r['speedup_vs_ar'], bad)} | "
                      + (f"{_spread_cell(r)} | " if spread else "")
-                     + (f"{_ratio(r.get('speedup_vs_stock_ar'), bad)} | " if stock else "")
-                     + f"{_ratio(r.get('speedup_over_tau'), bad)} | {_fmt(r.get('mean_step_ms'), 1)} | "
-                     f"{_fmt(r.get('target_ms_per_call'), 1)} | "
-                     + (f"{_ratio(r.get('step_cost_vs_ar'), bad)} | " if cost else "")
-                     + f"{_fmt(r.get('decoder_overhead_share'), 3)} | {_match(r)} |")
+                     + (f"{ratio_cell(r.get('speedup_vs_stock_ar'), bad)} | " if stock else "")
+                     + f"{ratio_cell(r.get('speedup_over_tau'), bad)} | {fmt(r.get('mean_step_ms'), 1)} | "
+                     f"{fmt(r.get('target_ms_per_call'), 1)} | "
+                     + (f"{ratio_cell(r.get('step_cost_vs_ar'), bad)} | " if cost else "")
+                     + f"{fmt(r.get('decoder_overhead_share'), 3)} | {match_cell(r)} |")
     if per_cycle:
         lines += ["", "Per cycle (MTPC paper metrics: mu_lat = seconds per target call, mu_acc = accepted draft "
                   "tokens per call, max = tokens/s if every drafted token were accepted):", "",
@@ -287,18 +287,18 @@ def markdown_table(results: dict, per_cycle: bool = True) -> str:
         for spec, r in results["methods"].items():
             if r.get("mu_lat") is not None:
                 lines.append(f"| {spec} | {r['mu_lat']:.4f} | {r['mu_acc']:.2f} | {r['tokens_per_s']:.1f} | "
-                             f"{r['max_tokens_per_s']:.1f} | {_ratio(r['speedup_vs_ar'], (spec, None) in flagged)} |")
+                             f"{r['max_tokens_per_s']:.1f} | {ratio_cell(r['speedup_vs_ar'], (spec, None) in flagged)} |")
     lines += ["", "Per category (tau / speed-up vs AR):", "",
               "| method | " + " | ".join(results["categories"]) + " |",
               "|---|" + "---|" * len(results["categories"])]
     for spec, r in results["methods"].items():
-        cells = [f"{_fmt(c['tau'])} / {_ratio(c['speedup_vs_ar'], (spec, name) in flagged)}"
+        cells = [f"{fmt(c['tau'])} / {ratio_cell(c['speedup_vs_ar'], (spec, name) in flagged)}"
                  for name, c in ((name, r["per_category"][name]) for name in results["categories"])]
         lines.append(f"| {spec} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def _match(r: dict) -> str:
+def match_cell(r: dict) -> str:
     if r["matches_ar"] is None:
         return "n/a (sampling)"
     if r["matches_ar"]:
@@ -316,10 +316,10 @@ def dtype_table(by_dtype: dict[str, dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for spec in by_dtype[names[0]]["methods"]:
         rows = [by_dtype[d]["methods"][spec] for d in names]
-        cells = [spec] + [_fmt(r["tokens_per_s"], 1) for r in rows]
+        cells = [spec] + [fmt(r["tokens_per_s"], 1) for r in rows]
         cells += [f"{r['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x" for r in rows[1:]]
-        cells += [_fmt(r.get("tau")) for r in rows] + [_fmt(r.get("speedup_vs_ar")) for r in rows]
-        cells += [_match(r) for r in rows]
+        cells += [fmt(r.get("tau")) for r in rows] + [fmt(r.get("speedup_vs_ar")) for r in rows]
+        cells += [match_cell(r) for r in rows]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -12,49 +12,22 @@ as the target's.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Callable
 
 import torch
 
-
-@lru_cache(maxsize=512)
-def tree_layout(parents: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ancestor-or-self mask [Q, Q] (bool) and depth [Q] for nodes with `parents` (-1 = none).
-
-    Cached by structure, so a static tree (same shape every step) builds its mask once; each
-    step only shifts the positions by the cache length and prepends all-visible cache columns.
-    """
-    Q = len(parents)
-    allowed = torch.zeros(Q, Q, dtype=torch.bool)
-    depth = torch.zeros(Q, dtype=torch.long)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            if p >= i:
-                raise ValueError(f"node {i} has parent {p}: parents must come before children")
-            allowed[i] = allowed[p]
-            depth[i] = depth[p] + 1
-        allowed[i, i] = True
-    return allowed, depth
+from mtpkit.models.trees import tree_layout
 
 
-def attention_inputs(parents: tuple[int, ...], cache_len: int, dtype: torch.dtype, device=None):
-    """4D additive mask [1, 1, Q, cache_len + Q] and position ids [1, Q] for one forward."""
-    allowed, depth = tree_layout(parents)
-    Q = len(parents)
+def attention_inputs(parents: tuple[int, ...], cache_len: int, dtype: torch.dtype, device=None, layout=None):
+    """4D additive mask [1, 1, Q, cache_len + Q] and position ids [1, Q] for one forward
+    (`layout`: `tree_layout(parents)` precompiled, else built here and cached)."""
+    allowed, depth = layout if layout is not None else tree_layout(parents)
+    Q = len(depth)
     mask = torch.full((Q, cache_len + Q), torch.finfo(dtype).min, dtype=dtype, device=device)
     mask[:, :cache_len] = 0.0  # every node sees the whole accepted past
     mask[:, cache_len:].masked_fill_(allowed.to(device), 0.0)
     return mask[None, None], (depth + cache_len)[None].to(device)
-
-
-def children_of(parents: torch.Tensor | list[int], num_nodes: int) -> list[list[int]]:
-    """children[i] for step nodes 0..num_nodes-1 (root + drafts) from the draft parents (a
-    tensor, or host ints)."""
-    children = [[] for _ in range(num_nodes)]
-    for j, p in enumerate(parents.tolist() if isinstance(parents, torch.Tensor) else parents, start=1):
-        children[p].append(j)
-    return children
 
 
 def verify_greedy(logits: Callable[[int], torch.Tensor], children: list[list[int]],

@@ -37,12 +37,18 @@ class Draft:
     extra_embeds:  [M, d] input embeddings of extra nodes (e.g. mask tokens), or None.
     extra_parents: [M] parent of each extra node, indexing the whole step (root, drafts, extras);
                    on the CPU, as `parents`.
+    layout:        the step's tree attention layout precompiled (`mtpkit.models.trees.tree_layout`
+                   of [-1, parents..., extra_parents...]: a `TopologyBank` tree), used when the
+                   step's context is the root alone; None: the decoder builds (and caches) it.
+    children:      children of every step node 0..N (root and drafts), precompiled likewise.
     """
     tokens: torch.Tensor
     parents: torch.Tensor
     draft_probs: torch.Tensor | None = None
     extra_embeds: torch.Tensor | None = None
     extra_parents: torch.Tensor | None = None
+    layout: tuple[torch.Tensor, torch.Tensor] | None = None
+    children: list[list[int]] | None = None
 
     @staticmethod
     def empty() -> "Draft":

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from chisquare import chi2_pvalue
-from mtpkit.eval.verify import attention_inputs, children_of, tree_layout, verify_greedy, verify_sampling
+from mtpkit.eval.verify import attention_inputs, verify_greedy, verify_sampling
+from mtpkit.models.trees import children_of, tree_layout
 
 PARENT_LISTS = {
     "chain": (-1, 0, 1, 2, 3),

@@ -1,0 +1,633 @@
+"""Draft trees for a gated-LoRA head, chosen before serving: an acceptance simulator, the
+tau / tokens-per-second frontier per task, a bank of non-dominated trees and calibrated
+schedules for the run-time policies (after "EntMTP: Accelerating LLM Inference with Entropy Guided
+Multi Token Prediction", Chen: greedy tree growth, one-step scoring, re-scoring on the tree's own
+rollout, a throughput frontier, static / ladder / hysteresis schedules).
+
+    python eval/tree_frontier.py --backbone smollm2-135m-instruct --head runs/gated_best/export \\
+        --data humaneval.jsonl.gz gsm8k_test.jsonl builtin:eval --limit 12 --budgets 2,4,8,16 \\
+        --out runs/trees/bank.json
+
+1. Calibration (one teacher-forced pass per prompt): the target's greedy continuation of the
+   prompt (`--max-new-tokens`), then one forward over prompt + continuation with a block of k masks
+   after every generated position (the training layout, `mtpkit.data.mtp`), reading for every
+   position t and depth d the rank of the true token x[t+1+d] among the head's candidates (the base
+   head's W z_d, or the sampler's W MLP([E(x[t+d]); z_d]) given the true parent), the target's
+   top-1 probability at t and the base head's top-1 probability at every mask (the path value's
+   factors).
+2. Simulation (greedy decoding): a step whose draft comes from the block after position t
+   accepts the longest path of the tree whose ranks equal the true tokens' ranks; it yields that
+   many tokens plus the bonus and moves to the deepest accepted node, whose own block (if the
+   topology gives it one) drafts the next step; without one the next step drafts nothing. So the
+   rollout of a tree (or a schedule switching trees by the path value) is decoding replayed, with
+   the same steps as `mtpkit.models.gated_lora.drafter` takes, exact up to floating-point ties
+   of the ranks (the check in 5 measures it).
+3. Growth (per task): from the empty tree add one node at a time: every child of a node (depth <=
+   k, the next rank under its parent) is scored by the mean accept length over the steps of the
+   current tree's own rollout with that node added (one-step "what-if", biased upwards), the best
+   is kept, ties going to the smaller rank sum along its path, then the shallower node. Every
+   grown tree of a `--budgets` size is then re-scored on its own rollout (unbiased tau).
+4. Throughput: tokens/s = tokens / (prefill + sum of step costs), the step cost of a tree being
+   the measured median time of its own verifier forward (root + drafts + masks, gate on the
+   masks, LM head on the rows the decoder computes) on a `--cache-len` cache on this machine,
+   interleaved with the empty step and plain AR's 1-row step; prefill measured on the mean prompt.
+   Drafting work (top-k, sampler calls) is not in it: `eval/bench.py` measures the real thing.
+   Per task the throughput frontier (more nodes only if more tokens/s) and the tau frontier (more
+   nodes only if a higher tau) within --pool-speed of the fastest tree form the pool of the
+   schedules, and the bank holds every task's pool: static (the fastest tree), ladder (the pool,
+   small to large, thresholds swept), hyst (a conservative and an aggressive tree of the pool,
+   tau_on swept, tau_off = --hyst-ratio x tau_on).
+5. `--holdout N`: the last N prompts of each task are kept out of 1-4; every bank tree is then
+   decoded on them through the real decoder (greedy, outputs checked against AR) and its decoded
+   tau compared with the simulated one (the error is reported and written to the bank).
+
+Writes --out (the bank: trees, schedules per task, frontiers, costs, the check) and beside it a
+.md table and a .png (tau and tokens/s against draft nodes, per task). Use the bank with
+`eval/bench.py --methods gated_lora:head=DIR,tree=bank.json,schedule=static|ladder|hyst,task=T`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from mtpkit.data.chat import IGNORE
+from mtpkit.data.mtp import collate_cached, mask_inputs
+from mtpkit.eval.bench import load_prompts
+from mtpkit.eval.decoder import Target, decode
+from mtpkit.eval.verify import attention_inputs
+from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
+from mtpkit.models.drafter import Drafter
+from mtpkit.models.gated_lora.head import load_head
+from mtpkit.models.heads import write_atomic
+from mtpkit.models.trees import Schedule, Topology, compile_topology
+
+MISS = 1 << 20  # rank of a true token outside the head's top `--max-rank` (or past the end)
+
+
+@dataclass
+class Calibration:
+    """One prompt's teacher-forced pass: n generated tokens; for anchor j (position P - 1 + j,
+    j < n) ranks[j, d-1] = rank of the true token at depth d in the head's candidates of the block
+    after that position, target_top1[j] = the target's top-1 probability there and head_top1[j, d-1]
+    = the base head's top-1 probability at mask d."""
+    task: str
+    prompt_len: int
+    n: int
+    ranks: torch.Tensor       # [n, k] long
+    target_top1: torch.Tensor  # [n]
+    head_top1: torch.Tensor    # [n, k]
+
+
+@torch.no_grad()
+def calibrate(model, ids: list[int], prompt_len: int, task: str, sampler: bool, max_rank: int,
+              chunk: int = 256) -> Calibration:
+    """The pass of step 1 for `ids` = prompt + the target's greedy continuation, on a GatedMTP."""
+    k = model.config.k
+    x = torch.tensor(ids)
+    labels = x.clone()
+    labels[:prompt_len] = IGNORE
+    batch = collate_cached([mask_inputs(x, labels, k)])
+    n = len(ids) - prompt_len
+    gate = model.gate
+    with gate(torch.zeros_like(batch["ntp_ids"], dtype=torch.bool)):
+        out = model.body(input_ids=batch["ntp_ids"], use_cache=True)
+    mask_index = batch["mask_index"]
+    with gate(mask_index > 0):
+        z = model.body(inputs_embeds=model.input_embeds(torch.zeros_like(mask_index), mask_index),
+                       attention_mask=batch["attention_mask"].to(out.last_hidden_state.dtype),
+                       position_ids=batch["position_ids"], past_key_values=out.past_key_values,
+                       use_cache=False).last_hidden_state[0]  # [n * k, d]: anchor-major
+    target_logits = model.lm_head(out.last_hidden_state[0, prompt_len - 1: len(ids) - 1]).float()  # [n, V]
+    target_top1 = torch.softmax(target_logits, -1).amax(-1)
+    y = batch["labels"][0]  # [n * k] the true token of every mask (IGNORE past the end)
+    prev = batch["prev_ids"][0]
+    ranks = torch.full((n * k,), MISS, dtype=torch.long)
+    head_top1 = torch.zeros(n * k)
+    for s in range(0, n * k, chunk):
+        rows = slice(s, min(s + chunk, n * k))
+        base = model.lm_head(z[rows]).float()
+        head_top1[rows] = torch.softmax(base, -1).amax(-1)
+        logits = model.sampler_logits(prev[rows], z[rows]).float() if sampler else base
+        valid = y[rows] != IGNORE
+        truth = logits.gather(1, y[rows].clamp(min=0)[:, None])
+        r = (logits > truth).sum(-1)
+        ranks[rows] = torch.where(valid & (r < max_rank), r, torch.full_like(r, MISS))
+    return Calibration(task, prompt_len, n, ranks.view(n, k), target_top1, head_top1.view(n, k))
+
+
+def accept_length(topology: Topology, ranks: list[int]) -> int:
+    """Drafts a greedy verifier accepts from `topology` when the true tokens have `ranks`."""
+    path, depth = (), 0
+    for r in ranks:
+        path += (r,)
+        if path not in topology.index:
+            break
+        depth += 1
+    return depth
+
+
+@dataclass
+class Rollout:
+    """A simulated decode: steps (target calls, prefill included), tokens, per-step (tree
+    position or None, rows) and the anchors j of the drafted steps."""
+    steps: int
+    tokens: int
+    rows: list[int]
+    anchors: list[tuple[int, int]]  # (calibration index, anchor j) of each drafted step
+    trees_used: list[int | None]
+    block: int  # masks per block: the depth of the deepest tree in use
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / max(self.steps, 1)
+
+
+def path_value(cal: Calibration, j: int, depth: int) -> float:
+    return float(cal.target_top1[j] * cal.head_top1[j, :depth].prod())
+
+
+def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Schedule | None = None) -> Rollout:
+    """Greedy decoding replayed (step 2 of the module docstring) with `schedule` over `trees`
+    (None: trees[0] on every step), with blocks of as many masks as the deepest tree in use has
+    levels, as the drafter does."""
+    schedule = schedule or Schedule("static", [0])
+    depth = max(trees[i].depth for i in schedule.trees)
+    if depth > k:
+        raise ValueError(f"a tree of depth {depth} needs more than the head's k={k} masks")
+    steps = tokens = 0
+    rows, anchors, used = [], [], []
+    for c, cal in enumerate(cals):
+        ranks = cal.ranks.tolist()
+        steps, tokens, gen, j, has = steps + 1, tokens + min(1, cal.n), 1, 0, True  # prefill: the bonus
+        position = schedule.start()
+        while gen < cal.n:
+            if has:
+                if schedule.kind != "static":
+                    position = schedule.next(position, path_value(cal, j, depth))
+                tree = trees[schedule.trees[position]]
+                L = accept_length(tree, ranks[j])
+                rows.append(tree.rows(depth))
+                anchors.append((c, j))
+                used.append(schedule.trees[position])
+                has = L == 0 or tree.index[tuple(ranks[j][:L])] in tree.block_nodes
+            else:  # the root's block alone
+                L, has = 0, True
+                rows.append(1 + depth)
+                used.append(None)
+            steps += 1
+            new = min(L + 1, cal.n - gen)
+            gen += L + 1
+            tokens += new
+            j += L + 1
+    return Rollout(steps, tokens, rows, anchors, used, depth)
+
+
+def grow(cals: list[Calibration], k: int, max_nodes: int, max_rank: int, blocks: str) -> list[Topology]:
+    """Trees of 1..max_nodes nodes grown one node at a time (step 3 of the module docstring)."""
+    paths: list[tuple[int, ...]] = []
+    grown = []
+    for size in range(1, max_nodes + 1):
+        tree = Topology(paths or [(0,)], blocks) if paths else None
+        # the current tree's own rollout (the empty tree: every step drafts from its block)
+        if tree is None:
+            visits = [(c, j) for c, cal in enumerate(cals) for j in range(cal.n - 1)]
+            base_len = {v: 0 for v in visits}
+        else:
+            sim = rollout(cals, [tree], k)
+            visits = sim.anchors
+            base_len = {v: accept_length(tree, cals[v[0]].ranks[v[1]].tolist()) for v in visits}
+        have = set(paths)
+        candidates = []
+        for parent in [()] + paths:
+            if len(parent) >= k:
+                continue
+            r = sum(1 for p in paths if len(p) == len(parent) + 1 and p[:-1] == parent)
+            if r < max_rank:
+                candidates.append(parent + (r,))
+        counts = dict.fromkeys(candidates, 0)
+        for v in visits:
+            c, j = v
+            L = base_len[v]
+            if L < k:
+                nxt = tuple(cals[c].ranks[j, : L + 1].tolist())
+                if nxt in counts and nxt not in have:
+                    counts[nxt] += 1
+        best = max(candidates, key=lambda p: (counts[p], -sum(p), -len(p)))
+        paths.append(best)
+        grown.append(Topology(list(paths), blocks, name=f"g{size}"))
+    return grown
+
+
+# ---- step costs on this machine ----
+
+@torch.no_grad()
+def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: int, cache_len: int,
+               rounds: int) -> dict:
+    """Median seconds of one verifier forward of every topology with blocks of every size from
+    its depth to k (`NAME@B`), of the empty step (`none@B`), AR's 1-row step (`ar`) and the
+    prefill, interleaved over `rounds` rounds on a `cache_len` cache."""
+    from transformers import DynamicCache
+
+    vocab, d = target.embed.weight.shape
+    masks = torch.zeros(1, d, dtype=target.dtype, device=target.device)
+    ctx = torch.randint(0, vocab, (cache_len,), device=target.device)[None]
+    base = DynamicCache(config=target.config)
+    target.body(input_ids=ctx, past_key_values=base, use_cache=True)
+
+    def shapes():
+        yield "ar", [-1], 0
+        for block in range(1, k + 1):
+            yield f"none@{block}", [-1] + list(range(block)), block
+        for t in topologies:
+            for block in range(max(t.depth, 1), k + 1):
+                c = compile_topology(t, block)
+                yield f"{t.name}@{block}", list(c.full_parents), len(c.full_parents) - 1 - t.num_nodes
+
+    def run(parents, extras):
+        cache = copy.deepcopy(base)
+        Q = len(parents)
+        ids = torch.randint(0, vocab, (Q - extras,), device=target.device)
+        embeds = target.embed(ids)[None]
+        if extras:
+            embeds = torch.cat([embeds, masks.repeat(extras, 1)[None]], 1)
+        mask, pos = attention_inputs(tuple(parents), cache_len, target.dtype, target.device)
+        gate = target.gate(torch.arange(Q)[None] >= Q - extras) if target.gate is not None and extras else None
+        t0 = time.perf_counter()
+        if gate is not None:
+            with gate:
+                h = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                                use_cache=True).last_hidden_state[0]
+        else:
+            h = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                            use_cache=True).last_hidden_state[0]
+        target.lm_head(h if Q <= target.prefetch_rows else h[: 1 + max(1, Q - extras)])
+        return time.perf_counter() - t0
+
+    def prefill():
+        cache = DynamicCache(config=target.config)
+        ids = torch.randint(0, vocab, (prompt_len + k,), device=target.device)[None]
+        t0 = time.perf_counter()
+        target.body(input_ids=ids, past_key_values=cache, use_cache=True)
+        return time.perf_counter() - t0
+
+    items = list(shapes())
+    times = {name: [] for name, _, _ in items}
+    times["prefill"] = []
+    for _ in tqdm(range(rounds + 1), desc="step costs", unit="round"):
+        for name, parents, extras in items:
+            times[name].append(run(parents, extras))
+        times["prefill"].append(prefill())
+    return {name: statistics.median(v[1:]) for name, v in times.items()}  # the first round warms up
+
+
+def switch_cost(bank: list[Topology], k: int, cache_len: int, dtype, reps: int = 200) -> dict:
+    """Microseconds per step, median over `reps` steps cycling through the bank: choosing a tree
+    (`TopologyBank.get`), the step's attention inputs from its precompiled layout, and the same
+    built from the parents list (what a bank saves)."""
+    from mtpkit.models.trees import TopologyBank, tree_layout
+
+    compiled = TopologyBank(bank, k)
+    build = getattr(tree_layout, "__wrapped__", tree_layout)  # uncached
+
+    def timed(fn) -> float:
+        samples = []
+        for i in range(reps):
+            t0 = time.perf_counter()
+            fn(i % len(compiled))
+            samples.append(time.perf_counter() - t0)
+        return round(1e6 * statistics.median(samples), 2)
+
+    return {"choose_tree_us": timed(lambda i: compiled.get(i)),
+            "mask_from_bank_us": timed(lambda i: attention_inputs((), cache_len, dtype, layout=compiled.get(i).layout)),
+            "mask_rebuilt_us": timed(lambda i: attention_inputs((), cache_len, dtype,
+                                                                layout=build(compiled.get(i).full_parents)))}
+
+
+def tokens_per_s(sim: Rollout, cals: list[Calibration], costs: dict, trees: list[Topology]) -> float:
+    seconds = len(cals) * costs["prefill"]
+    for used in sim.trees_used:
+        seconds += costs[f"none@{sim.block}" if used is None else f"{trees[used].name}@{sim.block}"]
+    return sim.tokens / seconds
+
+
+# ---- the bank ----
+
+def frontier(trees: list[Topology], taus: list[float], speeds: list[float]) -> list[int]:
+    """Indices of the non-dominated trees: sorted by nodes, each kept only if faster than every
+    smaller one kept before it."""
+    order = sorted(range(len(trees)), key=lambda i: trees[i].num_nodes)
+    kept, best = [], 0.0
+    for i in order:
+        if speeds[i] > best:
+            kept.append(i)
+            best = speeds[i]
+    return kept
+
+
+def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: float) -> dict:
+    """Static, ladder and hyst schedules of one task (indices into `trees`), swept in simulation."""
+    def speed(schedule):
+        sim = rollout(cals, trees, k, schedule)
+        return tokens_per_s(sim, cals, costs, trees), sim.tau
+
+    static = max(task_trees, key=lambda i: speed(Schedule("static", [i]))[0])
+    out = {"static": Schedule("static", [static])}
+    depth = max(trees[i].depth for i in task_trees)
+    values = sorted(path_value(cal, j, depth) for cal in cals for j in range(cal.n))
+    grid = sorted({values[int(q * (len(values) - 1))] for q in [i / 20 for i in range(1, 20)]})
+    ladder_trees = sorted(task_trees, key=lambda i: trees[i].num_nodes)
+    if len(ladder_trees) >= 2:
+        # thresholds one at a time, coordinate ascent from the quantiles
+        thresholds = [values[int(len(values) * (i + 1) / len(ladder_trees))] for i in range(len(ladder_trees) - 1)]
+        for i in range(len(thresholds)):
+            lo = thresholds[i - 1] if i else 0.0
+            hi = thresholds[i + 1] if i + 1 < len(thresholds) else 1.0
+            options = [v for v in grid if lo <= v <= hi] or [thresholds[i]]
+            thresholds[i] = max(options, key=lambda v: speed(Schedule("ladder", ladder_trees,
+                                                                       thresholds[:i] + [v] + thresholds[i + 1:]))[0])
+        out["ladder"] = Schedule("ladder", ladder_trees, thresholds)
+        pairs = [(a, b) for a in ladder_trees for b in ladder_trees if trees[a].num_nodes < trees[b].num_nodes]
+        best = max(((a, b, v) for a, b in pairs for v in grid),
+                   key=lambda p: speed(Schedule("hyst", [p[0], p[1]], [ratio * p[2], p[2]]))[0])
+        out["hyst"] = Schedule("hyst", [best[0], best[1]], [ratio * best[2], best[2]])
+    result = {}
+    for name, schedule in out.items():
+        s, tau = speed(schedule)
+        result[name] = {**schedule.to_json(), "sim_tau": round(tau, 4), "sim_tokens_per_s": round(s, 2)}
+    return result
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backbone", default=DEFAULT_BACKBONE, help="the target model (default: %(default)s)")
+    p.add_argument("--head", required=True, help="the gated-LoRA head folder (train/export.py output)")
+    p.add_argument("--method", default="gated_lora", choices=["gated_lora"],
+                   help="the drafter whose trees are searched (gated_lora; MTPC and the probe are not simulated yet)")
+    p.add_argument("--sampler", type=int, default=1, choices=[0, 1],
+                   help="rank candidates by the sampler head (1, as the drafter's default) or the base head (0)")
+    p.add_argument("--data", nargs="+", required=True,
+                   help="prompt sources as in eval/bench.py; every category (a file's name or the record's "
+                        "`category`) is a task with its own frontier and schedules")
+    p.add_argument("--limit", type=int, default=None, help="at most N prompts per source")
+    p.add_argument("--per-category", type=int, default=None, help="at most N prompts per task")
+    p.add_argument("--skip", type=int, default=0,
+                   help="leave out the first N prompts of each task (e.g. the ones a bench run measures with "
+                        "--limit N), so calibration and bench prompts are disjoint")
+    p.add_argument("--holdout", type=int, default=0,
+                   help="keep the last N prompts of each task out of the search and check the simulator on them "
+                        "(decoded tau vs simulated tau of every bank tree)")
+    p.add_argument("--check-trees", type=int, default=6,
+                   help="with --holdout: decode the bank's trees and further searched trees (smallest first) up to "
+                        "this many in all")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens of each greedy continuation")
+    p.add_argument("--budgets", default="2,4,8,16",
+                   help="draft-node counts of the grown trees that are re-scored and may enter the bank")
+    p.add_argument("--max-rank", type=int, default=8, help="candidates per head position the growth may use")
+    p.add_argument("--blocks", default="chain", choices=["chain", "all", "root"],
+                   help="nodes that carry a mask block: the root and the top-1 path (chain), every node, the root")
+    p.add_argument("--hyst-ratio", type=float, default=0.8, help="hyst schedule: tau_off = this x tau_on")
+    p.add_argument("--pool-speed", type=float, default=0.8,
+                   help="the schedules may also use trees of the tau frontier whose simulated tokens/s is at least "
+                        "this share of the best tree's (they join the bank)")
+    p.add_argument("--pool-size", type=int, default=4, help="at most this many trees per task for the schedules")
+    p.add_argument("--cache-len", type=int, default=200, help="KV-cache length the step costs are timed on")
+    p.add_argument("--rounds", type=int, default=7, help="timing rounds of the step costs (median; first is warm-up)")
+    p.add_argument("--out", required=True, help="the bank (.json); .md and .png beside it")
+    args = p.parse_args(argv)
+    if not args.out.endswith(".json"):
+        p.error(f"--out {args.out}: must end in .json")
+    try:
+        args.budgets = sorted({int(b) for b in args.budgets.split(",")})
+    except ValueError:
+        p.error(f"--budgets {args.budgets!r}: comma-separated node counts, e.g. 2,4,8,16")
+    if args.budgets[0] < 1:
+        p.error("--budgets: node counts must be >= 1")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    base, tokenizer = load_backbone(args.backbone)
+    eos = eos_token_ids(base, tokenizer)
+    model = load_head(args.head, copy.deepcopy(base)).eval()
+    k = model.config.k
+    if args.sampler and model.sampler is None:
+        sys.exit(f"tree_frontier: --sampler 1 but {args.head} has no sampler head")
+    limit = None if args.limit is None else args.limit + args.skip
+    prompts = load_prompts(args.data, limit, None, tokenizer,
+                           base.config.max_position_embeddings - args.max_new_tokens - k - 1)
+    tasks: dict[str, list[dict]] = {}
+    for prompt in prompts:
+        tasks.setdefault(prompt["category"], []).append(prompt)
+    tasks = {t: items[args.skip:][: args.per_category] for t, items in tasks.items()}
+    ar = Target(base)
+    cals: dict[str, list[Calibration]] = {}
+    held: dict[str, list[tuple[dict, Calibration, list[int]]]] = {}
+    for task, items in tasks.items():
+        if len(items) <= args.holdout:
+            sys.exit(f"tree_frontier: task {task} has {len(items)} prompts, --holdout {args.holdout} leaves none")
+        cals[task], held[task] = [], []
+        for i, prompt in enumerate(tqdm(items, desc=f"calibrate {task}", unit="prompt")):
+            cont = decode(ar, Drafter(), prompt["ids"], args.max_new_tokens, eos_token_ids=eos).tokens
+            cal = calibrate(model, prompt["ids"] + cont, len(prompt["ids"]), task, bool(args.sampler), args.max_rank)
+            if i < len(items) - args.holdout:
+                cals[task].append(cal)
+            else:
+                held[task].append((prompt, cal, cont))
+
+    # grow per task; the budget-sized trees are candidates for the bank
+    trees: list[Topology] = []
+    by_paths: dict[tuple, int] = {}
+    grown_of: dict[str, list[int]] = {}
+    for task, task_cals in cals.items():
+        grown = grow(task_cals, k, max(args.budgets), args.max_rank, args.blocks)
+        grown_of[task] = []
+        for t in grown:
+            if t.num_nodes not in args.budgets:
+                continue
+            key = tuple(t.paths)
+            if key not in by_paths:
+                by_paths[key] = len(trees)
+                trees.append(Topology(t.paths, args.blocks, name=f"t{len(trees)}_{t.num_nodes}n"))
+            grown_of[task].append(by_paths[key])
+    chains = []  # top-1 chains of every depth, for reference (quadratic decoding's drafts)
+    for depth in range(1, k + 1):
+        chain = Topology(f"chain{depth}", args.blocks, name=f"chain{depth}")
+        if tuple(chain.paths) not in by_paths:
+            by_paths[tuple(chain.paths)] = len(trees)
+            trees.append(chain)
+        chains.append(by_paths[tuple(chain.paths)])
+
+    lean = _lean(model)
+    target = Target(lean.peft.get_base_model(), lean.gate)
+    mean_prompt = round(statistics.mean(c.prompt_len for cs in cals.values() for c in cs))
+    costs = step_costs(target, trees, k, mean_prompt, args.cache_len, args.rounds)
+
+    report = {"backbone": args.backbone, "head": args.head, "k": k, "sampler": bool(args.sampler),
+              "blocks": args.blocks, "max_new_tokens": args.max_new_tokens, "costs_ms": {n: round(1e3 * v, 3) for n, v in costs.items()},
+              "tasks": {}, "command": "python eval/tree_frontier.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    bank_ids: set[int] = set()
+    task_frontiers = {}
+    for task, task_cals in cals.items():
+        rows = []
+        candidates = list(dict.fromkeys(grown_of[task] + chains))
+        for i in candidates:
+            sim = rollout(task_cals, trees, k, Schedule("static", [i]))
+            rows.append({"tree": i, "name": trees[i].name, "nodes": trees[i].num_nodes,
+                         "rows": trees[i].rows(trees[i].depth), "depth": trees[i].depth,
+                         "sim_tau": round(sim.tau, 4),
+                         "sim_tokens_per_s": round(tokens_per_s(sim, task_cals, costs, trees), 2)})
+        ar_speed = sum(c.n for c in task_cals) / (len(task_cals) * costs["prefill"]
+                                                 + sum(c.n - 1 for c in task_cals) * costs["ar"])
+        speeds = [r["sim_tokens_per_s"] for r in rows]
+        kept = [candidates[i] for i in frontier([trees[i] for i in candidates], [r["sim_tau"] for r in rows], speeds)]
+        # the schedules' pool: the throughput frontier, and the trees of the tau frontier (more
+        # nodes only for a higher tau) within --pool-speed of the best static tree's tokens/s: a
+        # tree slower on average may still pay on the confident steps a schedule gives it
+        taus = [r["sim_tau"] for r in rows]
+        pool = list(kept)
+        for i in frontier([trees[i] for i in candidates], taus, taus):
+            if speeds[i] >= args.pool_speed * max(speeds) and candidates[i] not in pool:
+                pool.append(candidates[i])
+        pool = sorted(pool, key=lambda i: trees[i].num_nodes)[: args.pool_size]
+        task_frontiers[task] = pool
+        bank_ids.update(pool)
+        report["tasks"][task] = {"prompts": len(task_cals), "sim_ar_tokens_per_s": round(ar_speed, 2),
+                                 "trees": rows, "frontier": kept}
+    # the bank: frontier trees of every task, renumbered
+    order = sorted(bank_ids, key=lambda i: (trees[i].num_nodes, i))
+    renumber = {old: new for new, old in enumerate(order)}
+    bank = [trees[i] for i in order]
+    schedules = {}
+    for task, task_cals in cals.items():
+        task_trees = [renumber[i] for i in task_frontiers[task]]
+        schedules[task] = calibrate_schedules(task_cals, bank, task_trees, k, costs, args.hyst_ratio)
+        report["tasks"][task]["schedules"] = schedules[task]
+        for row in report["tasks"][task]["trees"]:
+            row["bank"] = renumber.get(row.pop("tree"))
+        report["tasks"][task]["frontier"] = [renumber[i] for i in report["tasks"][task]["frontier"]]
+        report["tasks"][task]["pool"] = task_trees
+    report["trees"] = [t.to_json() for t in bank]
+    report["switch_cost"] = switch_cost(bank, k, args.cache_len, target.dtype)
+    report["schedules"] = schedules
+
+    if args.holdout:
+        del lean, target  # the check builds its own
+        extra = sorted((t for i, t in enumerate(trees) if i not in bank_ids), key=lambda t: t.num_nodes)
+        checked = bank + extra[: max(0, args.check_trees - len(bank))]
+        report["check"] = check(model, checked, held, k, args.sampler)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(report))
+    plot(report, out.with_suffix(".png"))
+    print(markdown(report))
+    return report
+
+
+def _lean(model):
+    """The lean inference form (`to_inference`) of a copy of the gated model, as the bench decodes."""
+    from mtpkit.models.gated_lora.inference import to_inference
+
+    return to_inference(copy.deepcopy(model))
+
+
+def check(model, bank: list[Topology], held, k: int, sampler: int) -> dict:
+    """Every bank tree decoded on the held-out prompts (greedy, outputs checked against AR):
+    decoded tau against the simulated tau on the same prompts."""
+    import tempfile
+
+    from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
+
+    lean = _lean(model)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        bank_file = Path(tmp) / "bank.json"
+        bank_file.write_text(json.dumps({"trees": [t.to_json() for t in bank], "schedules": {}}))  # static, index=i
+        for i, tree in enumerate(tqdm(bank, desc="check", unit="tree")):
+            drafter = GatedLoRADrafter(GatedLoRADraftConfig(tree=str(bank_file), index=i, sampler=bool(sampler)),
+                                       model=lean)
+            target = Target(*drafter.adapt(None, {}))
+            tokens = calls = 0
+            sim_cals = []
+            for items in held.values():
+                for prompt, cal, cont in items:
+                    got = decode(target, drafter, prompt["ids"], cal.n)
+                    if got.tokens != cont[: cal.n]:
+                        raise RuntimeError(f"tree {tree.name}: decoded output differs from AR on {prompt['id']}")
+                    tokens += len(got.tokens)
+                    calls += got.target_calls
+                    sim_cals.append(cal)
+            sim = rollout(sim_cals, [tree], k)
+            decoded = tokens / calls
+            rows.append({"tree": i, "name": tree.name, "nodes": tree.num_nodes, "decoded_tau": round(decoded, 4),
+                         "sim_tau": round(sim.tau, 4), "error": round(sim.tau / decoded - 1, 4)})
+    worst = max(abs(r["error"]) for r in rows)
+    return {"prompts": sum(len(v) for v in held.values()), "trees": rows, "max_abs_error": worst}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Draft trees of {report['head']} on {report['backbone']} (k = {report['k']}, "
+             f"{'sampler' if report['sampler'] else 'base'} head, blocks = {report['blocks']}, as many masks "
+             f"per block as the tree has levels); simulated greedy decoding, step costs measured here (ms: AR "
+             f"{report['costs_ms']['ar']}, prefill {report['costs_ms']['prefill']})", "",
+             "Per-step cost of a tree switch (median us): choosing the tree {choose_tree_us}, its attention mask from "
+             "the bank's precompiled layout {mask_from_bank_us}, the same mask with the layout rebuilt "
+             "{mask_rebuilt_us}".format(**report["switch_cost"]), ""]
+    for task, t in report["tasks"].items():
+        lines += [f"**{task}** ({t['prompts']} prompts; simulated AR {t['sim_ar_tokens_per_s']} tok/s)", "",
+                  "| tree | nodes | rows/step | sim tau | sim tok/s | vs AR | bank |", "|---|---|---|---|---|---|---|"]
+        for r in t["trees"]:
+            lines.append(f"| {r['name']} | {r['nodes']} | {r['rows']} | {r['sim_tau']:.3f} | {r['sim_tokens_per_s']:.1f} "
+                         f"| {r['sim_tokens_per_s'] / t['sim_ar_tokens_per_s']:.2f}x | {'' if r['bank'] is None else r['bank']} |")
+        lines += ["", "| schedule | trees | thresholds | sim tau | sim tok/s |", "|---|---|---|---|---|"]
+        for name, s in t["schedules"].items():
+            lines.append(f"| {name} | {s['trees']} | {[round(x, 4) for x in s['thresholds']]} | {s['sim_tau']:.3f} "
+                         f"| {s['sim_tokens_per_s']:.1f} |")
+        lines.append("")
+    if "check" in report:
+        c = report["check"]
+        lines += [f"Simulator check on {c['prompts']} held-out prompts (greedy, outputs identical to AR): "
+                  f"max |error| {100 * c['max_abs_error']:.1f}%", "",
+                  "| tree | nodes | decoded tau | simulated tau | error |", "|---|---|---|---|---|"]
+        lines += [f"| {r['name']} | {r['nodes']} | {r['decoded_tau']:.3f} | {r['sim_tau']:.3f} | {100 * r['error']:+.1f}% |"
+                  for r in c["trees"]]
+        lines.append("")
+    lines.append(f"`{report['command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for task, t in report["tasks"].items():
+        rows = sorted(t["trees"], key=lambda r: r["nodes"])
+        axes[0].plot([r["nodes"] for r in rows], [r["sim_tau"] for r in rows], marker="o", label=task)
+        axes[1].plot([r["nodes"] for r in rows], [r["sim_tokens_per_s"] / t["sim_ar_tokens_per_s"] for r in rows],
+                     marker="o", label=task)
+    axes[0].set(xlabel="draft nodes", ylabel="simulated tau", xscale="log", title="acceptance")
+    axes[1].set(xlabel="draft nodes", ylabel="simulated tokens/s vs AR", xscale="log", title="throughput")
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Draft-tree topologies, a precompiled bank of them, and run-time policies that pick one.
+
+A topology is a set of rank paths in the Medusa "choices" format: the path (r_1, ..., r_d) is the
+draft node at depth d whose token is the r_d-th most likely candidate of the head at depth d,
+under the node (r_1, ..., r_{d-1}); every prefix of a path is a node too. `[(0,), (0, 0)]` is a
+chain of two (the top-1 tokens), `[(0,), (1,), (0, 0)]` branches at the first position.
+Mask-token drafters also attach a block of masks to some nodes (`blocks`; as many masks as the
+deepest tree in use has levels): the block after
+the deepest accepted node proposes the next step's draft, so a node without one ends the
+speculation after it is accepted (the next step drafts nothing); the root always has one.
+
+`TopologyBank` holds several topologies, each precompiled for a k-mask drafter once (parents of
+every step row, children lists, the tree attention layout the decoder builds its mask from), so
+switching trees between steps is choosing an index (`eval/tree_frontier.py --switch-cost`
+measures it). Policies (after "EntMTP: Accelerating LLM Inference with Entropy Guided Multi Token
+Prediction", Chen) map a per-step feature the verifier already has, the path value v (the
+target's top-1 probability at the last accepted node times the head's top-1 probability at each
+depth, a product that is high where the head chain is confident), to an index into the bank:
+
+- static: always the same tree (EntMTP*, the best static tree per task);
+- ladder: thresholds t_1 < ... < t_{K-1} over v select tree i for t_i <= v < t_{i+1}
+  (EntMTP-ladder, trees ordered small to large);
+- hyst: two trees, switch to the aggressive one when v >= tau_on and back to the conservative one
+  when v < tau_off, tau_off <= tau_on so one noisy step does not flap (EntMTP-tau).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@lru_cache(maxsize=512)
+def tree_layout(parents: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ancestor-or-self mask [Q, Q] (bool) and depth [Q] for nodes with `parents` (-1 = none).
+
+    Cached by structure, so a static tree (same shape every step) builds its mask once; each
+    step only shifts the positions by the cache length and prepends all-visible cache columns.
+    """
+    Q = len(parents)
+    allowed = torch.zeros(Q, Q, dtype=torch.bool)
+    depth = torch.zeros(Q, dtype=torch.long)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            if p >= i:
+                raise ValueError(f"node {i} has parent {p}: parents must come before children")
+            allowed[i] = allowed[p]
+            depth[i] = depth[p] + 1
+        allowed[i, i] = True
+    return allowed, depth
+
+
+def children_of(parents: torch.Tensor | list[int], num_nodes: int) -> list[list[int]]:
+    """children[i] for step nodes 0..num_nodes-1 (root + drafts) from the draft parents (a
+    tensor, or host ints)."""
+    children = [[] for _ in range(num_nodes)]
+    for j, p in enumerate(parents.tolist() if isinstance(parents, torch.Tensor) else parents, start=1):
+        children[p].append(j)
+    return children
+
+
+BLOCKS = ("chain", "all", "root")
+SCHEDULES = ("static", "ladder", "hyst")
+
+
+def parse_paths(spec) -> list[tuple[int, ...]]:
+    """Rank paths from a list of lists, a JSON string of one, or `chainN` (N top-1 tokens).
+    Missing prefixes are added; the result is sorted by depth, then by ranks (parents first)."""
+    if isinstance(spec, str):
+        text = spec.strip()
+        if text.startswith("chain"):
+            try:
+                n = int(text[5:])
+            except ValueError:
+                raise ValueError(f"tree {spec!r}: `chainN` needs a number, e.g. chain3") from None
+            return [(0,) * d for d in range(1, n + 1)]
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"tree {spec!r}: not a JSON list of rank paths like [[0],[1],[0,0]] ({e})") from None
+    paths = set()
+    for path in spec:
+        path = tuple(int(r) for r in path)
+        if not path or min(path) < 0:
+            raise ValueError(f"tree path {list(path)}: ranks must be non-negative and the path non-empty")
+        for d in range(1, len(path) + 1):
+            paths.add(path[:d])
+    return sorted(paths, key=lambda p: (len(p), p))
+
+
+@dataclass
+class Topology:
+    """One draft tree: rank paths (parents before children) and the nodes carrying a mask block.
+
+    blocks: "chain" = the root and every node of the top-1 path (0, 0, ...), "all" = every node,
+    "root" = the root only, or an explicit list of node indices (0 = root, j = paths[j - 1])."""
+    paths: list[tuple[int, ...]]
+    blocks: str | list[int] = "chain"
+    name: str = ""
+
+    def __post_init__(self):
+        self.paths = parse_paths(self.paths)
+        index = {p: j for j, p in enumerate(self.paths, start=1)}
+        self.index = index
+        self.parents = [index.get(p[:-1], 0) for p in self.paths]  # [N] draft parents (0 = root)
+        self.depths = [len(p) for p in self.paths]
+        self.ranks = [p[-1] for p in self.paths]
+        if isinstance(self.blocks, str):
+            if self.blocks not in BLOCKS:
+                raise ValueError(f"tree blocks must be one of {BLOCKS} or a list of node indices, got {self.blocks!r}")
+            if self.blocks == "all":
+                nodes = range(len(self.paths) + 1)
+            elif self.blocks == "chain":
+                nodes = [0] + [j for p, j in index.items() if not any(p)]
+            else:
+                nodes = [0]
+            self.block_nodes = sorted(nodes)
+        else:
+            self.block_nodes = sorted({0, *map(int, self.blocks)})
+            if self.block_nodes[-1] > len(self.paths):
+                raise ValueError(f"tree blocks {self.blocks}: node {self.block_nodes[-1]} does not exist "
+                                 f"({len(self.paths)} nodes)")
+        if not self.name:
+            self.name = f"{len(self.paths)}n"
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    @property
+    def max_rank(self) -> int:
+        """Candidates needed per head position: 1 + the largest rank used."""
+        return 1 + max(self.ranks, default=0)
+
+    def rows(self, k: int) -> int:
+        """Rows of a verifier step with this tree and k-mask blocks: root + nodes + masks."""
+        return 1 + self.num_nodes + k * len(self.block_nodes)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "paths": [list(p) for p in self.paths],
+                "blocks": self.blocks if isinstance(self.blocks, str) else list(self.block_nodes)}
+
+
+@dataclass
+class Compiled:
+    """A topology laid out for one verifier step of a k-mask drafter (root, N drafts, masks).
+
+    extra_parents: [M] parent (step index) of every mask; block_rows[node] = the step rows of the
+    node's k masks; children: per step node; layout: (allowed [Q, Q], depth [Q]) of the step's
+    tree attention, as `tree_layout` builds it (the decoder's mask comes from
+    it with a cache-length shift)."""
+    topology: Topology
+    parents: torch.Tensor
+    extra_parents: torch.Tensor
+    block_rows: dict[int, list[int]]
+    children: list[list[int]]
+    full_parents: tuple[int, ...]
+    layout: tuple[torch.Tensor, torch.Tensor]
+
+
+def compile_topology(topology: Topology, k: int) -> Compiled:
+    N = topology.num_nodes
+    extra_parents, block_rows = [], {}
+    for j, node in enumerate(topology.block_nodes):
+        first = N + 1 + j * k  # mask 1 hangs off its node, mask i off mask i-1
+        block_rows[node] = list(range(first, first + k))
+        extra_parents += [node] + list(range(first, first + k - 1))
+    full = tuple([-1] + topology.parents + extra_parents)
+    return Compiled(topology=topology, parents=torch.tensor(topology.parents, dtype=torch.long),
+                    extra_parents=torch.tensor(extra_parents, dtype=torch.long), block_rows=block_rows,
+                    children=children_of(topology.parents, N + 1), full_parents=full, layout=tree_layout(full))
+
+
+@dataclass
+class Schedule:
+    """Which tree of a bank each step uses (see the module docstring). `thresholds`: ladder,
+    K - 1 ascending values of the path value v; hyst: (tau_off, tau_on) with `trees` = (conservative,
+    aggressive) bank indices; static: `trees` = (index,)."""
+    kind: str = "static"
+    trees: list[int] = field(default_factory=lambda: [0])
+    thresholds: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.kind not in SCHEDULES:
+            raise ValueError(f"tree schedule must be one of {SCHEDULES}, got {self.kind!r}")
+        if self.kind == "ladder" and len(self.thresholds) != len(self.trees) - 1:
+            raise ValueError(f"ladder schedule: {len(self.trees)} trees need {len(self.trees) - 1} thresholds, "
+                             f"got {self.thresholds}")
+        if self.kind == "ladder" and any(a > b for a, b in zip(self.thresholds, self.thresholds[1:])):
+            raise ValueError(f"ladder schedule: thresholds {self.thresholds} must ascend")
+        if self.kind == "hyst":
+            if len(self.trees) != 2 or len(self.thresholds) != 2:
+                raise ValueError("hyst schedule: trees (conservative, aggressive) and thresholds (tau_off, tau_on)")
+            if self.thresholds[0] > self.thresholds[1]:
+                raise ValueError(f"hyst schedule: tau_off {self.thresholds[0]} > tau_on {self.thresholds[1]}")
+
+    def start(self) -> int:
+        """Position in `trees` of the first step's tree (the conservative end)."""
+        return 0
+
+    def next(self, current: int, value: float) -> int:
+        """Position in `trees` for the next step, from the current one and the path value."""
+        if self.kind == "static":
+            return 0
+        if self.kind == "ladder":
+            return sum(value >= t for t in self.thresholds)
+        tau_off, tau_on = self.thresholds
+        if current == 0:
+            return 1 if value >= tau_on else 0
+        return 0 if value < tau_off else 1
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "trees": list(self.trees), "thresholds": list(self.thresholds)}
+
+
+class TopologyBank:
+    """Topologies compiled once for a k-mask drafter; `get(i)` is a list lookup."""
+
+    def __init__(self, topologies: list[Topology], k: int):
+        if not topologies:
+            raise ValueError("an empty tree bank")
+        self.topologies = topologies
+        self.k = k
+        self.compiled = [compile_topology(t, k) for t in topologies]
+
+    def __len__(self) -> int:
+        return len(self.compiled)
+
+    def get(self, i: int) -> Compiled:
+        return self.compiled[i]
+
+
+def load_bank(spec: str, task: str | None = None) -> tuple[list[Topology], dict[str, dict]]:
+    """Topologies and schedules from `spec`: a bank file written by `eval/tree_frontier.py`
+    (JSON: {"trees": [...], "schedules": {task: {name: schedule}}}), or one inline tree (a JSON
+    list of rank paths, or `chainN`). Returns (topologies, schedules of `task` or of the first
+    task, {} for an inline tree)."""
+    path = Path(spec)
+    if spec.endswith(".json") or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"tree bank {spec}: no such file")
+        try:
+            data = json.loads(path.read_text())
+            trees = [Topology(t["paths"], t.get("blocks", "chain"), t.get("name", "")) for t in data["trees"]]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"tree bank {spec}: not a bank written by eval/tree_frontier.py ({e})") from None
+        schedules = data.get("schedules", {})
+        if task is not None and task not in schedules:
+            raise ValueError(f"tree bank {spec}: no schedules for task {task!r} (has {sorted(schedules)})")
+        chosen = schedules.get(task) if task else next(iter(schedules.values()), {})
+        return trees, chosen or {}
+    return [Topology(spec)], {}

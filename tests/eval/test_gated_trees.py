@@ -1,0 +1,187 @@
+"""Draft trees of the gated-LoRA drafter (mtpkit.models.trees, tree= / schedule=), and the
+acceptance simulator of eval/tree_frontier.py against the real decoder.
+
+The head is tests/eval/test_gated_sampling.py's `close_head` (a 5-token target, a head whose
+candidates are close to the target's): drafts are accepted at every depth, and branches matter."""
+
+import json
+
+import pytest
+import torch
+
+from chisquare import chi2_pvalue
+from mtpkit.eval import tree_frontier as tf
+from mtpkit.eval.decoder import Target, decode
+from mtpkit.models.drafter import Drafter
+from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
+from mtpkit.models.trees import Schedule, Topology, TopologyBank, parse_paths, tree_layout
+from tests.eval.test_gated_sampling import PROMPT, close_head, exact_joint, sampled_joint, small  # noqa: F401
+
+BRANCHY = "[[0],[1],[0,0],[0,1],[1,0]]"
+PROMPTS = [PROMPT, [1, 2], [4, 0, 2, 2], [3], [2, 4, 1, 0, 0]]
+
+
+def test_topologies_from_paths():
+    assert parse_paths("chain3") == [(0,), (0, 0), (0, 0, 0)]
+    assert parse_paths([[1, 0]]) == [(1,), (1, 0)]  # prefixes added, nothing else
+    t = Topology([[0, 1], [1]], blocks="chain")
+    assert t.paths == [(0,), (1,), (0, 1)] and t.parents == [0, 0, 1] and t.depths == [1, 1, 2]
+    assert t.block_nodes == [0, 1]  # the root and (0,), the top-1 path
+    assert Topology([[0, 1], [1]], blocks="all").block_nodes == [0, 1, 2, 3]
+    assert t.rows(k=2) == 1 + 3 + 2 * 2
+    for bad, match in [("chainx", "chainN"), ("[[0], [-1]]", "non-negative"), ("[[0]", "JSON")]:
+        with pytest.raises(ValueError, match=match):
+            Topology(bad)
+    with pytest.raises(ValueError, match="blocks"):
+        Topology("chain2", blocks="some")
+
+
+def test_the_bank_compiles_the_decoders_layout():
+    bank = TopologyBank([Topology("chain2"), Topology(BRANCHY, blocks="all")], k=2)
+    for c in bank.compiled:
+        allowed, depth = c.layout
+        want_allowed, want_depth = tree_layout(c.full_parents)
+        assert torch.equal(allowed, want_allowed) and torch.equal(depth, want_depth)
+        assert len(c.full_parents) == c.topology.rows(2)
+    assert bank.get(1) is bank.compiled[1]  # a switch is an index
+
+
+def test_schedules():
+    ladder = Schedule("ladder", [0, 1, 2], [0.2, 0.6])
+    assert [ladder.next(0, v) for v in (0.1, 0.2, 0.5, 0.7)] == [0, 1, 1, 2]
+    hyst = Schedule("hyst", [0, 1], [0.3, 0.6])
+    steps, pos = [], 0
+    for v in (0.5, 0.7, 0.5, 0.4, 0.2, 0.5, 0.65):
+        pos = hyst.next(pos, v)
+        steps.append(pos)
+    assert steps == [0, 1, 1, 1, 0, 0, 1]  # on at >= 0.6, off below 0.3 only
+    with pytest.raises(ValueError, match="tau_off"):
+        Schedule("hyst", [0, 1], [0.7, 0.6])
+    with pytest.raises(ValueError, match="thresholds"):
+        Schedule("ladder", [0, 1, 2], [0.5])
+
+
+def _bank(tmp_path, trees, schedules=None) -> str:
+    path = tmp_path / "bank.json"
+    path.write_text(json.dumps({"trees": [t.to_json() for t in trees], "schedules": {"t": schedules or {}}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("tree,blocks,sampler", [("chain2", "chain", True), (BRANCHY, "chain", False),
+                                                 (BRANCHY, "chain", True), (BRANCHY, "all", True),
+                                                 (BRANCHY, "root", False)])
+def test_greedy_trees_equal_ar_and_the_simulator_predicts_every_step(small, tmp_path, tree, blocks, sampler):
+    """Greedy decoding with a tree is AR's output, drafts are accepted (at depth 2 too), and the
+    simulator's rollout of the teacher-forced calibration takes exactly the decoder's steps."""
+    head = close_head(small)
+    bank = _bank(tmp_path, [Topology(tree, blocks)])
+    drafter = GatedLoRADrafter(GatedLoRADraftConfig(tree=bank, sampler=sampler), model=head)
+    target = Target(*drafter.adapt(None, {}))
+    cals, calls, accepted = [], 0, [0, 0]
+    for prompt in PROMPTS:
+        want = decode(Target(small), Drafter(), prompt, 20).tokens
+        got = decode(target, drafter, prompt, 20)
+        assert got.tokens == want
+        calls += got.target_calls
+        for d, n in enumerate(got.accept_counts[:2]):
+            accepted[d] += n
+        cals.append(tf.calibrate(head, prompt + want, len(prompt), "t", sampler, max_rank=4))
+    assert accepted[0] > 10 and accepted[1] > 3, accepted
+    sim = tf.rollout(cals, [Topology(tree, blocks)], k=2)
+    assert (sim.steps, sim.tokens) == (calls, 20 * len(PROMPTS))
+
+
+@pytest.mark.parametrize("kind", ["ladder", "hyst"])
+def test_schedules_switch_trees_exactly_as_simulated(small, tmp_path, kind):
+    head = close_head(small)
+    trees = [Topology("chain1"), Topology(BRANCHY)]
+    schedule = {"kind": kind, "trees": [0, 1], "thresholds": [0.25] if kind == "ladder" else [0.2, 0.3]}
+    log = tmp_path / "steps.jsonl"
+    entry = {**schedule, "sim_tau": 1.5, "sim_tokens_per_s": 20.0}  # as eval/tree_frontier.py writes it
+    drafter = GatedLoRADrafter(GatedLoRADraftConfig(tree=_bank(tmp_path, trees, {kind: entry}), schedule=kind,
+                                                    sampler=False, log=str(log)), model=head)
+    target = Target(*drafter.adapt(None, {}))
+    cals, calls = [], 0
+    for prompt in PROMPTS:
+        want = decode(Target(small), Drafter(), prompt, 20).tokens
+        got = decode(target, drafter, prompt, 20)
+        assert got.tokens == want
+        calls += got.target_calls
+        cals.append(tf.calibrate(head, prompt + want, len(prompt), "t", False, max_rank=4))
+    used = [json.loads(line)["tree"] for line in log.read_text().splitlines()]
+    assert {0, 1} <= set(used), "the schedule never switched: nothing tested"
+    sim = tf.rollout(cals, trees, 2, Schedule(**schedule))
+    assert sim.steps == calls
+    assert [u for u in sim.trees_used if u is not None] == [u for u in used if u is not None]
+
+
+@pytest.mark.parametrize("temperature,sampler", [(1.0, True), (0.7, False)])
+def test_sampling_with_a_tree_is_exact(small, tmp_path, temperature, sampler):
+    """Speculative sampling over a branching tree of top-ranked drafts: the first 3 tokens follow
+    the target's joint, and drafts were accepted at depth 1 and 2."""
+    drafter = GatedLoRADrafter(GatedLoRADraftConfig(tree=_bank(tmp_path, [Topology(BRANCHY)]), sampler=sampler),
+                               model=close_head(small))
+    target = Target(*drafter.adapt(None, {}))
+    counts, accepted = sampled_joint(target, drafter, 1000, temperature, 1.0)
+    assert accepted[0] > 200 and accepted[1] > 50, accepted
+    assert chi2_pvalue(counts, exact_joint(small, temperature, 1.0)) > 1e-3
+
+
+def test_grown_trees_are_scored_and_the_frontier_is_non_dominated(small):
+    head = close_head(small)
+    cals = []
+    for prompt in PROMPTS:
+        want = decode(Target(small), Drafter(), prompt, 20).tokens
+        cals.append(tf.calibrate(head, prompt + want, len(prompt), "t", False, max_rank=3))
+    grown = tf.grow(cals, k=2, max_nodes=5, max_rank=3, blocks="chain")
+    assert [t.num_nodes for t in grown] == [1, 2, 3, 4, 5]
+    assert all(set(a.paths) < set(b.paths) for a, b in zip(grown, grown[1:]))  # one node at a time
+    taus = [tf.rollout(cals, [t], 2).tau for t in grown]
+    assert taus[-1] > taus[0] > 1.0
+    kept = tf.frontier(grown, taus, [1.0, 3.0, 2.0, 4.0, 4.0])
+    assert kept == [0, 1, 3]
+
+
+def test_bad_tree_options_are_clear(small, tmp_path):
+    head = close_head(small)
+    with pytest.raises(ValueError, match="no such file"):
+        GatedLoRADrafter(GatedLoRADraftConfig(tree=str(tmp_path / "missing.json")), model=head)
+    with pytest.raises(ValueError, match="no calibrated 'hyst'"):
+        GatedLoRADrafter(GatedLoRADraftConfig(tree=_bank(tmp_path, [Topology("chain1")]), schedule="hyst"), model=head)
+    drafter = GatedLoRADrafter(GatedLoRADraftConfig(tree="chain3"), model=head)
+    with pytest.raises(ValueError, match="deeper than k=2"):
+        drafter.begin(None, [1])
+
+
+def test_tree_frontier_and_bench_end_to_end(tmp_path):
+    """eval/tree_frontier.py on the tiny backbone writes a bank (trees, per-task schedules, step
+    costs, switch costs, the held-out check), its table and plot; the bench then decodes with the
+    bank's trees, outputs identical to AR."""
+    import copy
+
+    from mtpkit.eval import bench
+    from mtpkit.models.backbone import load_backbone
+    from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP, save_head
+
+    base, _ = load_backbone("tiny-llama-random")
+    save_head(GatedMTP(copy.deepcopy(base), GatedLoRAConfig(k=2, rank=4)), tmp_path / "head", "tiny-llama-random")
+    out = tmp_path / "trees" / "bank.json"
+    report = tf.main(["--backbone", "tiny-llama-random", "--head", str(tmp_path / "head"), "--data", "builtin:eval",
+                      "--per-category", "3", "--holdout", "1", "--max-new-tokens", "12", "--budgets", "1,2",
+                      "--rounds", "2", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["trees"] and set(saved["schedules"]) == {"chat", "code", "math", "summarisation"}
+    assert all("static" in s for s in saved["schedules"].values())
+    checked = [t["name"] for t in saved["check"]["trees"]]
+    assert saved["check"]["prompts"] == 4 and {t["name"] for t in saved["trees"]} <= set(checked)
+    assert len(checked) == 2  # every searched tree (t0_1n, t1_2n; chain1 and chain2 are those), up to 6
+    assert set(saved["switch_cost"]) == {"choose_tree_us", "mask_from_bank_us", "mask_rebuilt_us"}
+    assert out.with_suffix(".md").read_text().count("| tree | nodes |") == 5 and out.with_suffix(".png").stat().st_size
+    assert report["k"] == 2
+    results = tmp_path / "bench" / "results.json"
+    spec = f"gated_lora:head={tmp_path / 'head'},tree={out},schedule=static,task=code"
+    bench.main(["--backbone", "tiny-llama-random", "--data", "builtin:eval", "--per-category", "1",
+                "--max-new-tokens", "12", "--methods", spec, "--out", str(results), "--linear", "stock"])
+    assert json.loads(results.read_text())["methods"][spec]["matches_ar"] is True
+    with pytest.raises(SystemExit):
+        tf.main(["--head", "x", "--data", "builtin:eval", "--out", "bank.txt"])
