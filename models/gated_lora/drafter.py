@@ -232,9 +232,10 @@ class GatedLoRADrafter(Drafter):
         return float(probs.prod())
 
     def _candidates(self, step: StepOutput, rows: list[int], compiled) -> list[int]:
-        """Tokens of every node of `compiled`'s tree from the mask block at `rows`. Base head: node (r_1..r_d) = the r_d-th token of mask
-        d's logits (Medusa-style, shared by every branch); sampler: the r_d-th token of
-        W MLP([E(parent's token); z_d]), one sampler call per depth over that depth's parents."""
+        """Tokens of every node of `compiled`'s tree from the mask block at `rows`. Base head:
+        node (r_1..r_d) = the r_d-th token of mask d's logits (Medusa-style, shared by every
+        branch); sampler: the r_d-th token of W MLP([E(parent's token); z_d]), one sampler call
+        per depth over that depth's parents (one host read per depth: the next depth's inputs)."""
         t = compiled.topology
         width = t.max_rank
         if not self.config.sampler:
