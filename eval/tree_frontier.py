@@ -49,6 +49,7 @@ Writes --out (the bank: trees, schedules per task, frontiers, costs, the check) 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -138,12 +139,12 @@ def accept_length(topology: Topology, ranks: list[int]) -> int:
 
 @dataclass
 class Rollout:
-    """A simulated decode: steps (target calls, prefill included), tokens, per-step (tree
-    position or None, rows) and the anchors j of the drafted steps."""
+    """A simulated decode: steps (target calls, prefill included), tokens, the anchor and the
+    accepted drafts of every drafted step, and the tree of every step (None: no draft)."""
     steps: int
     tokens: int
-    rows: list[int]
     anchors: list[tuple[int, int]]  # (calibration index, anchor j) of each drafted step
+    accepted: list[int]             # drafts accepted at each drafted step
     trees_used: list[int | None]
     block: int  # masks per block: the depth of the deepest tree in use
 
@@ -165,7 +166,7 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
     if depth > k:
         raise ValueError(f"a tree of depth {depth} needs more than the head's k={k} masks")
     steps = tokens = 0
-    rows, anchors, used = [], [], []
+    anchors, accepted, used = [], [], []
     for c, cal in enumerate(cals):
         ranks = cal.ranks.tolist()
         steps, tokens, gen, j, has = steps + 1, tokens + min(1, cal.n), 1, 0, True  # prefill: the bonus
@@ -176,20 +177,19 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
                     position = schedule.next(position, path_value(cal, j, depth))
                 tree = trees[schedule.trees[position]]
                 L = accept_length(tree, ranks[j])
-                rows.append(tree.rows(depth))
                 anchors.append((c, j))
+                accepted.append(L)
                 used.append(schedule.trees[position])
                 has = L == 0 or tree.index[tuple(ranks[j][:L])] in tree.block_nodes
             else:  # the root's block alone
                 L, has = 0, True
-                rows.append(1 + depth)
                 used.append(None)
             steps += 1
             new = min(L + 1, cal.n - gen)
             gen += L + 1
             tokens += new
             j += L + 1
-    return Rollout(steps, tokens, rows, anchors, used, depth)
+    return Rollout(steps, tokens, anchors, accepted, used, depth)
 
 
 def grow(cals: list[Calibration], k: int, max_nodes: int, max_rank: int, blocks: str) -> list[Topology]:
@@ -197,15 +197,12 @@ def grow(cals: list[Calibration], k: int, max_nodes: int, max_rank: int, blocks:
     paths: list[tuple[int, ...]] = []
     grown = []
     for size in range(1, max_nodes + 1):
-        tree = Topology(paths or [(0,)], blocks) if paths else None
         # the current tree's own rollout (the empty tree: every step drafts from its block)
-        if tree is None:
-            visits = [(c, j) for c, cal in enumerate(cals) for j in range(cal.n - 1)]
-            base_len = {v: 0 for v in visits}
+        if paths:
+            sim = rollout(cals, [Topology(paths, blocks)], k)
+            visits = list(zip(sim.anchors, sim.accepted))
         else:
-            sim = rollout(cals, [tree], k)
-            visits = sim.anchors
-            base_len = {v: accept_length(tree, cals[v[0]].ranks[v[1]].tolist()) for v in visits}
+            visits = [((c, j), 0) for c, cal in enumerate(cals) for j in range(cal.n - 1)]
         have = set(paths)
         candidates = []
         for parent in [()] + paths:
@@ -215,9 +212,7 @@ def grow(cals: list[Calibration], k: int, max_nodes: int, max_rank: int, blocks:
             if r < max_rank:
                 candidates.append(parent + (r,))
         counts = dict.fromkeys(candidates, 0)
-        for v in visits:
-            c, j = v
-            L = base_len[v]
+        for (c, j), L in visits:
             if L < k:
                 nxt = tuple(cals[c].ranks[j, : L + 1].tolist())
                 if nxt in counts and nxt not in have:
@@ -261,13 +256,11 @@ def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: i
         if extras:
             embeds = torch.cat([embeds, masks.repeat(extras, 1)[None]], 1)
         mask, pos = attention_inputs(tuple(parents), cache_len, target.dtype, target.device)
-        gate = target.gate(torch.arange(Q)[None] >= Q - extras) if target.gate is not None and extras else None
+        gate = contextlib.nullcontext()
+        if target.gate is not None and extras:  # the adapter on the masks, as the decoder does
+            gate = target.gate(torch.arange(Q)[None] >= Q - extras)
         t0 = time.perf_counter()
-        if gate is not None:
-            with gate:
-                h = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                                use_cache=True).last_hidden_state[0]
-        else:
+        with gate:
             h = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, past_key_values=cache,
                             use_cache=True).last_hidden_state[0]
         target.lm_head(h if Q <= target.prefetch_rows else h[: 1 + max(1, Q - extras)])
@@ -322,15 +315,15 @@ def tokens_per_s(sim: Rollout, cals: list[Calibration], costs: dict, trees: list
 
 # ---- the bank ----
 
-def frontier(trees: list[Topology], taus: list[float], speeds: list[float]) -> list[int]:
-    """Indices of the non-dominated trees: sorted by nodes, each kept only if faster than every
-    smaller one kept before it."""
+def frontier(trees: list[Topology], values: list[float]) -> list[int]:
+    """Indices of the non-dominated trees: sorted by nodes, each kept only if its value (tokens/s,
+    or tau) is above every smaller tree's kept before it."""
     order = sorted(range(len(trees)), key=lambda i: trees[i].num_nodes)
     kept, best = [], 0.0
     for i in order:
-        if speeds[i] > best:
+        if values[i] > best:
             kept.append(i)
-            best = speeds[i]
+            best = values[i]
     return kept
 
 
@@ -491,13 +484,13 @@ def main(argv=None) -> dict:
         ar_speed = sum(c.n for c in task_cals) / (len(task_cals) * costs["prefill"]
                                                  + sum(c.n - 1 for c in task_cals) * costs["ar"])
         speeds = [r["sim_tokens_per_s"] for r in rows]
-        kept = [candidates[i] for i in frontier([trees[i] for i in candidates], [r["sim_tau"] for r in rows], speeds)]
+        kept = [candidates[i] for i in frontier([trees[i] for i in candidates], speeds)]
         # the schedules' pool: the throughput frontier, and the trees of the tau frontier (more
         # nodes only for a higher tau) within --pool-speed of the best static tree's tokens/s: a
         # tree slower on average may still pay on the confident steps a schedule gives it
         taus = [r["sim_tau"] for r in rows]
         pool = list(kept)
-        for i in frontier([trees[i] for i in candidates], taus, taus):
+        for i in frontier([trees[i] for i in candidates], taus):
             if speeds[i] >= args.pool_speed * max(speeds) and candidates[i] not in pool:
                 pool.append(candidates[i])
         pool = sorted(pool, key=lambda i: trees[i].num_nodes)[: args.pool_size]

@@ -164,19 +164,34 @@ class Compiled:
     children: list[list[int]]
     full_parents: tuple[int, ...]
     layout: tuple[torch.Tensor, torch.Tensor]
+    levels: list[tuple[list[int], list[int]]]
+    """per depth 1..D: (its nodes, their distinct parents, ascending)"""
+
+
+def mask_blocks(nodes, first: int, k: int) -> tuple[list[int], dict[int, list[int]]]:
+    """A block of k masks after each of `nodes` (step indices), the masks numbered from step row
+    `first` on: (the masks' parents, node -> its block's rows). Mask 1 hangs off its node, mask i
+    off mask i-1."""
+    extra_parents, block_rows = [], {}
+    for j, node in enumerate(nodes):
+        start = first + j * k
+        block_rows[node] = list(range(start, start + k))
+        extra_parents += [node] + list(range(start, start + k - 1))
+    return extra_parents, block_rows
 
 
 def compile_topology(topology: Topology, k: int) -> Compiled:
     N = topology.num_nodes
-    extra_parents, block_rows = [], {}
-    for j, node in enumerate(topology.block_nodes):
-        first = N + 1 + j * k  # mask 1 hangs off its node, mask i off mask i-1
-        block_rows[node] = list(range(first, first + k))
-        extra_parents += [node] + list(range(first, first + k - 1))
+    extra_parents, block_rows = mask_blocks(topology.block_nodes, N + 1, k)
     full = tuple([-1] + topology.parents + extra_parents)
+    levels = []
+    for d in range(1, topology.depth + 1):
+        nodes = [j for j in range(1, N + 1) if topology.depths[j - 1] == d]
+        levels.append((nodes, sorted({topology.parents[j - 1] for j in nodes})))
     return Compiled(topology=topology, parents=torch.tensor(topology.parents, dtype=torch.long),
                     extra_parents=torch.tensor(extra_parents, dtype=torch.long), block_rows=block_rows,
-                    children=children_of(topology.parents, N + 1), full_parents=full, layout=tree_layout(full))
+                    children=children_of(topology.parents, N + 1), full_parents=full, layout=tree_layout(full),
+                    levels=levels)
 
 
 @dataclass

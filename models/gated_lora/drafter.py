@@ -42,7 +42,7 @@ from mtpkit.models.gated_lora.head import load_head
 from mtpkit.models.gated_lora.inference import to_inference
 from mtpkit.models.gated_lora.model import GatedMTP
 from mtpkit.models.generate import target_probs
-from mtpkit.models.trees import Schedule, TopologyBank, load_bank
+from mtpkit.models.trees import Schedule, TopologyBank, load_bank, mask_blocks
 
 DECODINGS = ("linear", "quadratic")
 DRAFTS = ("sample", "argmax")
@@ -146,13 +146,9 @@ class GatedLoRADrafter(Drafter):
     def propose(self, tokens: list[int]) -> Draft:
         if self.trees is not None:
             return self._propose_tree()
-        N, k = len(self.spec), self.k
+        N = len(self.spec)
         anchors = list(range(N + 1)) if self.config.decoding == "quadratic" else [N]
-        extra_parents, self.blocks = [], {}
-        for j, node in enumerate(anchors):
-            first = N + 1 + j * k  # mask 1 hangs off its anchor node, mask i off mask i-1
-            self.blocks[node] = list(range(first, first + k))
-            extra_parents += [node] + list(range(first, first + k - 1))
+        extra_parents, self.blocks = mask_blocks(anchors, N + 1, self.k)
         return Draft(tokens=torch.tensor(self.spec, dtype=torch.long), parents=torch.arange(N),
                      draft_probs=self.spec_probs, extra_embeds=self.masks.repeat(len(anchors), 1),
                      extra_parents=torch.tensor(extra_parents, dtype=torch.long))
@@ -244,9 +240,7 @@ class GatedLoRADrafter(Drafter):
         z = step.hidden[rows]  # [block, d]
         tokens = [0] * t.num_nodes
         node_token = {0: step.new_tokens[-1]}  # the root of the next step: the bonus token
-        for d in range(1, t.depth + 1):
-            nodes = [j for j in range(1, t.num_nodes + 1) if t.depths[j - 1] == d]
-            parents = sorted({t.parents[j - 1] for j in nodes})
+        for d, (nodes, parents) in enumerate(compiled.levels, start=1):
             prev = torch.tensor([node_token[p] for p in parents], device=z.device)
             top = self.model.sampler_logits(prev, z[d - 1].expand(len(parents), -1)).topk(width, dim=-1).indices.tolist()
             where = {par: i for i, par in enumerate(parents)}

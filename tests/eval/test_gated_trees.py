@@ -138,7 +138,7 @@ def test_grown_trees_are_scored_and_the_frontier_is_non_dominated(small):
     assert all(set(a.paths) < set(b.paths) for a, b in zip(grown, grown[1:]))  # one node at a time
     taus = [tf.rollout(cals, [t], 2).tau for t in grown]
     assert taus[-1] > taus[0] > 1.0
-    kept = tf.frontier(grown, taus, [1.0, 3.0, 2.0, 4.0, 4.0])
+    kept = tf.frontier(grown, [1.0, 3.0, 2.0, 4.0, 4.0])
     assert kept == [0, 1, 3]
 
 
