@@ -76,14 +76,15 @@ class MethodError(ValueError):
 
 
 def parse_method(spec: str):
-    """`probe:bc=60,masks=2` -> (name, typed config). Clear errors for anything unknown."""
+    """`probe:bc=60,masks=2` -> (name, typed config). Clear errors for anything unknown. A comma
+    inside brackets belongs to its value (`tree=[[0],[1],[0,0]]`, a list of rank paths)."""
     name, _, opts = spec.partition(":")
     if name not in METHODS:
         raise MethodError(f"unknown method {name!r} in --methods {spec!r}; known: {', '.join(METHODS)}")
     cls = METHODS[name].options
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in option_fields(cls)}
     values = {}
-    for item in filter(None, opts.split(",")):
+    for item in filter(None, split_options(opts)):
         key, eq, raw = item.partition("=")
         if not eq or key not in fields:
             valid = ", ".join(fields) or "none"
@@ -96,13 +97,31 @@ def parse_method(spec: str):
     return name, cls(**values)
 
 
+def option_fields(cls) -> list[dataclasses.Field]:
+    """The fields of a method's options, its own (in declaration order) before those it inherits
+    (e.g. `mtpkit.models.trees.TreeOptions`)."""
+    own = list(vars(cls).get("__annotations__", {}))
+    return sorted(dataclasses.fields(cls), key=lambda f: (0, own.index(f.name)) if f.name in own else (1, 0))
+
+
+def split_options(opts: str) -> list[str]:
+    """`a=1,tree=[[0],[1]]` -> ["a=1", "tree=[[0],[1]]"]: split on the commas outside brackets."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(opts):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            items.append(opts[start:i])
+            start = i + 1
+    return items + [opts[start:]]
+
+
 def methods_help() -> str:
     """Every method of the registry with its options, defaults and their docstrings."""
     lines = ["methods:"]
     for method in METHODS.values():
         lines.append(f"  {method.name:<12} {method.summary}")
         docs = field_docs(method.options)
-        for f in dataclasses.fields(method.options):
+        for f in option_fields(method.options):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             lines.append(f"      {f.name}={default!r}: {docs.get(f.name, '')}")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
-"""Draft trees for a gated-LoRA head, chosen before serving: an acceptance simulator, the
-tau / tokens-per-second frontier per task, a bank of non-dominated trees and calibrated
-schedules for the run-time policies (after "EntMTP: Accelerating LLM Inference with Entropy Guided
+"""Draft trees for a mask-token drafter (a gated-LoRA head, or the training-free probe), chosen
+before serving: an acceptance simulator, the tau / tokens-per-second frontier per task, a bank of
+non-dominated trees and calibrated schedules for the run-time policies (after "EntMTP: Accelerating LLM Inference with Entropy Guided
 Multi Token Prediction", Chen: greedy tree growth, one-step scoring, re-scoring on the tree's own
 rollout, a throughput frontier, static / ladder / hysteresis schedules).
 
@@ -14,7 +14,8 @@ rollout, a throughput frontier, static / ladder / hysteresis schedules).
    position t and depth d the rank of the true token x[t+1+d] among the head's candidates (the base
    head's W z_d, or the sampler's W MLP([E(x[t+d]); z_d]) given the true parent), the target's
    top-1 probability at t and the base head's top-1 probability at every mask (the path value's
-   factors).
+   factors). `--method probe`: the same pass on the plain target with the probe's synthesised
+   mask embeddings (`calibrate_probe`).
 2. Simulation (greedy decoding): a step whose draft comes from the block after position t
    accepts the longest path of the tree whose ranks equal the true tokens' ranks; it yields that
    many tokens plus the bonus and moves to the deepest accepted node, whose own block (if the
@@ -30,8 +31,11 @@ rollout, a throughput frontier, static / ladder / hysteresis schedules).
 4. Throughput: tokens/s = tokens / (prefill + sum of step costs), the step cost of a tree being
    the measured median time of its own verifier forward (root + drafts + masks, gate on the
    masks, LM head on the rows the decoder computes) on a `--cache-len` cache on this machine,
-   interleaved with the empty step and plain AR's 1-row step; prefill measured on the mean prompt.
-   Drafting work (top-k, sampler calls) is not in it: `eval/bench.py` measures the real thing.
+   interleaved with the empty step and plain AR's 1-row step; prefill measured on the mean prompt;
+   plus the drafting of the tree from a block of that forward's outputs (the drafter's own
+   `candidates`: top-k reads, sampler calls, mask rows' LM head where the forward skipped it).
+   The rest of a step (the path value, the verifier's bookkeeping) is not in it: `eval/bench.py`
+   measures the real thing.
    Per task the throughput frontier (more nodes only if more tokens/s) and the tau frontier (more
    nodes only if a higher tau) within --pool-speed of the fastest tree form the pool of the
    schedules, and the bank holds every task's pool: static (the fastest tree), ladder (the pool,
@@ -43,7 +47,8 @@ rollout, a throughput frontier, static / ladder / hysteresis schedules).
 
 Writes --out (the bank: trees, schedules per task, frontiers, costs, the check) and beside it a
 .md table and a .png (tau and tokens/s against draft nodes, per task). Use the bank with
-`eval/bench.py --methods gated_lora:head=DIR,tree=bank.json,schedule=static|ladder|hyst,task=T`.
+`eval/bench.py --methods gated_lora:head=DIR,tree=bank.json,schedule=static|ladder|hyst,task=T`
+(`--method probe`: `probe:tree=bank.json,masks=K,schedule=...,task=T`, K = --masks).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -110,20 +116,62 @@ def calibrate(model, ids: list[int], prompt_len: int, task: str, sampler: bool, 
                        use_cache=False).last_hidden_state[0]  # [n * k, d]: anchor-major
     target_logits = model.lm_head(out.last_hidden_state[0, prompt_len - 1: len(ids) - 1]).float()  # [n, V]
     target_top1 = torch.softmax(target_logits, -1).amax(-1)
-    y = batch["labels"][0]  # [n * k] the true token of every mask (IGNORE past the end)
     prev = batch["prev_ids"][0]
-    ranks = torch.full((n * k,), MISS, dtype=torch.long)
-    head_top1 = torch.zeros(n * k)
-    for s in range(0, n * k, chunk):
-        rows = slice(s, min(s + chunk, n * k))
-        base = model.lm_head(z[rows]).float()
+    ranked = (lambda rows, base: model.sampler_logits(prev[rows], z[rows]).float()) if sampler else None
+    ranks, head_top1 = rank_masks(model.lm_head, z, batch["labels"][0], k, max_rank, ranked, chunk)
+    return Calibration(task, prompt_len, n, ranks, target_top1, head_top1)
+
+
+def rank_masks(lm_head, z: torch.Tensor, y: torch.Tensor, k: int, max_rank: int, ranked=None,
+               chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ranks [n, k], head_top1 [n, k]) of the mask outputs z [n * k, d] (anchor-major) whose true
+    tokens are y [n * k] (IGNORE past the end): the rank of each true token among the candidates
+    `ranked(rows, base logits)` (default: the base logits lm_head(z)), MISS outside `max_rank`, and
+    the base head's top-1 probability."""
+    ranks = torch.full((len(y),), MISS, dtype=torch.long)
+    head_top1 = torch.zeros(len(y))
+    for s in range(0, len(y), chunk):
+        rows = slice(s, min(s + chunk, len(y)))
+        base = lm_head(z[rows]).float()
         head_top1[rows] = torch.softmax(base, -1).amax(-1)
-        logits = model.sampler_logits(prev[rows], z[rows]).float() if sampler else base
+        logits = base if ranked is None else ranked(rows, base)
         valid = y[rows] != IGNORE
         truth = logits.gather(1, y[rows].clamp(min=0)[:, None])
         r = (logits > truth).sum(-1)
         ranks[rows] = torch.where(valid & (r < max_rank), r, torch.full_like(r, MISS))
-    return Calibration(task, prompt_len, n, ranks.view(n, k), target_top1, head_top1.view(n, k))
+    return ranks.view(-1, k), head_top1.view(-1, k)
+
+
+@torch.no_grad()
+def calibrate_probe(target: Target, drafter, ids: list[int], prompt_len: int, task: str, max_rank: int,
+                    chunk: int = 256) -> Calibration:
+    """The pass of step 1 for the probe (`mtpkit.models.probe`) on the plain `target`: the
+    masks after the anchor at position P - 1 + j carry the probe's embeddings after the first j
+    generated tokens (its prompt init, then Eq. 4 once per token); `drafter` a `ProbeDrafter` with
+    k masks per block. Decoding feeds a step's masks the embeddings as they were at the step's
+    root, so after an accepted draft of L tokens they are L updates behind these (lambda = 0.1:
+    the check in 5 measures what that costs)."""
+    k = drafter.k
+    x = torch.tensor(ids)
+    labels = x.clone()
+    labels[:prompt_len] = IGNORE
+    batch = collate_cached([mask_inputs(x, labels, k)])
+    n = len(ids) - prompt_len
+    drafter.begin(target, ids[:prompt_len])
+    states = [drafter.masks.clone()]  # [k, d] per anchor j
+    for token in ids[prompt_len: len(ids) - 1]:
+        states.append(states[-1] + drafter.config.lam * (drafter.table[token] - states[-1]))
+    states = torch.stack(states)  # [n, k, d]
+    out = target.body(input_ids=batch["ntp_ids"], use_cache=True)
+    mask_index, positions = batch["mask_index"][0], batch["position_ids"][0]
+    anchor = positions - mask_index - (prompt_len - 1)  # j of every mask row
+    embeds = states[anchor.clamp(0, n - 1), (mask_index - 1).clamp(min=0)][None].to(out.last_hidden_state.dtype)
+    z = target.body(inputs_embeds=embeds, attention_mask=batch["attention_mask"].to(out.last_hidden_state.dtype),
+                   position_ids=batch["position_ids"], past_key_values=out.past_key_values,
+                   use_cache=False).last_hidden_state[0]  # [n * k, d]: anchor-major
+    target_top1 = torch.softmax(target.lm_head(out.last_hidden_state[0, prompt_len - 1: len(ids) - 1]).float(), -1).amax(-1)
+    ranks, head_top1 = rank_masks(target.lm_head, z, batch["labels"][0], k, max_rank, chunk=chunk)
+    return Calibration(task, prompt_len, n, ranks, target_top1, head_top1)
 
 
 def accept_length(topology: Topology, ranks: list[int]) -> int:
@@ -227,11 +275,16 @@ def grow(cals: list[Calibration], k: int, max_nodes: int, max_rank: int, blocks:
 
 @torch.no_grad()
 def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: int, cache_len: int,
-               rounds: int) -> dict:
+               rounds: int, candidates: Callable | None = None) -> dict:
     """Median seconds of one verifier forward of every topology with blocks of every size from
     its depth to k (`NAME@B`), of the empty step (`none@B`), AR's 1-row step (`ar`) and the
-    prefill, interleaved over `rounds` rounds on a `cache_len` cache."""
+    prefill, interleaved over `rounds` rounds on a `cache_len` cache. With `candidates` (the
+    drafter's `candidates(step, rows, compiled)`), also the drafting of each tree from a block of
+    that forward's outputs (`draft:NAME@B`: top-k reads, sampler calls, LM-head rows the forward
+    did not compute)."""
     from transformers import DynamicCache
+
+    from mtpkit.models.drafter import StepOutput
 
     vocab, d = target.embed.weight.shape
     masks = torch.zeros(1, d, dtype=target.dtype, device=target.device)
@@ -240,15 +293,15 @@ def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: i
     target.body(input_ids=ctx, past_key_values=base, use_cache=True)
 
     def shapes():
-        yield "ar", [-1], 0
+        yield "ar", [-1], 0, None
         for block in range(1, k + 1):
-            yield f"none@{block}", [-1] + list(range(block)), block
+            yield f"none@{block}", [-1] + list(range(block)), block, None
         for t in topologies:
             for block in range(max(t.depth, 1), k + 1):
                 c = compile_topology(t, block)
-                yield f"{t.name}@{block}", list(c.full_parents), len(c.full_parents) - 1 - t.num_nodes
+                yield f"{t.name}@{block}", list(c.full_parents), len(c.full_parents) - 1 - t.num_nodes, c
 
-    def run(parents, extras):
+    def run(parents, extras, compiled=None):
         cache = copy.deepcopy(base)
         Q = len(parents)
         ids = torch.randint(0, vocab, (Q - extras,), device=target.device)
@@ -263,8 +316,18 @@ def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: i
         with gate:
             h = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, past_key_values=cache,
                             use_cache=True).last_hidden_state[0]
-        target.lm_head(h if Q <= target.prefetch_rows else h[: 1 + max(1, Q - extras)])
-        return time.perf_counter() - t0
+        every = target.lm_head(h if Q <= target.prefetch_rows else h[: 1 + max(1, Q - extras)]).float()
+        seconds = time.perf_counter() - t0
+        if compiled is None:
+            return seconds, None
+
+        def logits(rows):  # as the decoder's: rows it computed with the forward, the others now
+            return torch.stack([every[r] if r < len(every) else target.lm_head(h[r]).float() for r in rows])
+
+        step = StepOutput(accepted=[], last_node=0, new_tokens=[int(ids[0])], hidden=h, logits=logits)
+        t0 = time.perf_counter()
+        candidates(step, compiled.block_rows[0], compiled)
+        return seconds, time.perf_counter() - t0
 
     def prefill():
         cache = DynamicCache(config=target.config)
@@ -274,11 +337,14 @@ def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: i
         return time.perf_counter() - t0
 
     items = list(shapes())
-    times = {name: [] for name, _, _ in items}
+    times = {name: [] for name, _, _, _ in items}
     times["prefill"] = []
     for _ in tqdm(range(rounds + 1), desc="step costs", unit="round"):
-        for name, parents, extras in items:
-            times[name].append(run(parents, extras))
+        for name, parents, extras, compiled in items:
+            forward, drafting = run(parents, extras, compiled if candidates is not None else None)
+            times[name].append(forward)
+            if drafting is not None:
+                times.setdefault("draft:" + name, []).append(drafting)
         times["prefill"].append(prefill())
     return {name: statistics.median(v[1:]) for name, v in times.items()}  # the first round warms up
 
@@ -309,7 +375,8 @@ def switch_cost(bank: list[Topology], k: int, cache_len: int, dtype, reps: int =
 def tokens_per_s(sim: Rollout, cals: list[Calibration], costs: dict, trees: list[Topology]) -> float:
     seconds = len(cals) * costs["prefill"]
     for used in sim.trees_used:
-        seconds += costs[f"none@{sim.block}" if used is None else f"{trees[used].name}@{sim.block}"]
+        name = f"none@{sim.block}" if used is None else f"{trees[used].name}@{sim.block}"
+        seconds += costs[name] + costs.get("draft:" + name, 0.0)  # the tree drafted for this step
     return sim.tokens / seconds
 
 
@@ -363,11 +430,16 @@ def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: flo
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backbone", default=DEFAULT_BACKBONE, help="the target model (default: %(default)s)")
-    p.add_argument("--head", required=True, help="the gated-LoRA head folder (train/export.py output)")
-    p.add_argument("--method", default="gated_lora", choices=["gated_lora"],
-                   help="the drafter whose trees are searched (gated_lora; MTPC and the probe are not simulated yet)")
+    p.add_argument("--method", default="gated_lora", choices=sorted(SUBJECTS),
+                   help="the drafter whose trees are searched: gated_lora (a trained head, --head) or probe (the "
+                        "training-free mask-token probe, --masks / --init / --lam)")
+    p.add_argument("--head", default="", help="gated_lora: the head folder (train/export.py output)")
     p.add_argument("--sampler", type=int, default=1, choices=[0, 1],
-                   help="rank candidates by the sampler head (1, as the drafter's default) or the base head (0)")
+                   help="gated_lora: rank candidates by the sampler head (1, as the drafter's default) or the base head (0)")
+    p.add_argument("--masks", type=int, default=0,
+                   help="probe: masks per block, the deepest a tree may grow (default 3)")
+    p.add_argument("--init", default="mean", help="probe: mask embedding init, mean | hard | sample (default: %(default)s)")
+    p.add_argument("--lam", type=float, default=0.1, help="probe: mask update rate lambda (default: %(default)s)")
     p.add_argument("--data", nargs="+", required=True,
                    help="prompt sources as in eval/bench.py; every category (a file's name or the record's "
                         "`category`) is a task with its own frontier and schedules")
@@ -413,10 +485,8 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     base, tokenizer = load_backbone(args.backbone)
     eos = eos_token_ids(base, tokenizer)
-    model = load_head(args.head, copy.deepcopy(base)).eval()
-    k = model.config.k
-    if args.sampler and model.sampler is None:
-        sys.exit(f"tree_frontier: --sampler 1 but {args.head} has no sampler head")
+    subject = SUBJECTS[args.method](args, base)
+    k = subject.k
     limit = None if args.limit is None else args.limit + args.skip
     prompts = load_prompts(args.data, limit, None, tokenizer,
                            base.config.max_position_embeddings - args.max_new_tokens - k - 1)
@@ -433,7 +503,7 @@ def main(argv=None) -> dict:
         cals[task], held[task] = [], []
         for i, prompt in enumerate(tqdm(items, desc=f"calibrate {task}", unit="prompt")):
             cont = decode(ar, Drafter(), prompt["ids"], args.max_new_tokens, eos_token_ids=eos).tokens
-            cal = calibrate(model, prompt["ids"] + cont, len(prompt["ids"]), task, bool(args.sampler), args.max_rank)
+            cal = subject.calibrate(prompt["ids"] + cont, len(prompt["ids"]), task)
             if i < len(items) - args.holdout:
                 cals[task].append(cal)
             else:
@@ -462,12 +532,11 @@ def main(argv=None) -> dict:
             trees.append(chain)
         chains.append(by_paths[tuple(chain.paths)])
 
-    lean = _lean(model)
-    target = Target(lean.peft.get_base_model(), lean.gate)
+    target = subject.target
     mean_prompt = round(statistics.mean(c.prompt_len for cs in cals.values() for c in cs))
-    costs = step_costs(target, trees, k, mean_prompt, args.cache_len, args.rounds)
+    costs = step_costs(target, trees, k, mean_prompt, args.cache_len, args.rounds, subject.candidates)
 
-    report = {"backbone": args.backbone, "head": args.head, "k": k, "sampler": bool(args.sampler),
+    report = {"backbone": args.backbone, "method": args.method, **subject.settings, "k": k,
               "blocks": args.blocks, "max_new_tokens": args.max_new_tokens, "costs_ms": {n: round(1e3 * v, 3) for n, v in costs.items()},
               "tasks": {}, "command": "python eval/tree_frontier.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     bank_ids: set[int] = set()
@@ -516,10 +585,9 @@ def main(argv=None) -> dict:
     report["schedules"] = schedules
 
     if args.holdout:
-        del lean, target  # the check builds its own
         extra = sorted((t for i, t in enumerate(trees) if i not in bank_ids), key=lambda t: t.num_nodes)
         checked = bank + extra[: max(0, args.check_trees - len(bank))]
-        report["check"] = check(model, checked, held, k, args.sampler)
+        report["check"] = check(subject, checked, held)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(report, indent=1) + "\n")
@@ -529,6 +597,59 @@ def main(argv=None) -> dict:
     return report
 
 
+@dataclass
+class Subject:
+    """The drafter whose trees are searched: masks per block `k`, its teacher-forced pass, the
+    target its steps are timed on, and a drafter decoding with tree `index` of a bank file."""
+    k: int
+    calibrate: Callable[[list[int], int, str], Calibration]
+    target: Target
+    drafter: Callable[[str, int], tuple[Drafter, Target]]
+    candidates: Callable
+    """the drafter's `candidates(step, rows, compiled)`: a tree's tokens from a mask block"""
+    settings: dict
+
+
+def gated_subject(args, base) -> Subject:
+    from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
+
+    if not args.head:
+        sys.exit("tree_frontier: --method gated_lora needs --head DIR (a gated-LoRA head folder)")
+    model = load_head(args.head, copy.deepcopy(base)).eval()
+    if args.sampler and model.sampler is None:
+        sys.exit(f"tree_frontier: --sampler 1 but {args.head} has no sampler head")
+    lean = _lean(model)
+
+    def drafter(bank: str, index: int):
+        d = GatedLoRADrafter(GatedLoRADraftConfig(tree=bank, index=index, sampler=bool(args.sampler)), model=lean)
+        return d, Target(*d.adapt(None, {}))
+
+    return Subject(model.config.k,
+                   lambda ids, P, task: calibrate(model, ids, P, task, bool(args.sampler), args.max_rank),
+                   Target(lean.peft.get_base_model(), lean.gate), drafter,
+                   GatedLoRADrafter(GatedLoRADraftConfig(sampler=bool(args.sampler)), model=lean).candidates,
+                   {"head": args.head, "sampler": bool(args.sampler)})
+
+
+def probe_subject(args, base) -> Subject:
+    from mtpkit.models.probe import ProbeConfig, ProbeDrafter
+
+    k = args.masks or 3
+    options = dict(masks=k, init=args.init, lam=args.lam)
+    plain = Target(base)
+    probe = ProbeDrafter(ProbeConfig(tree=f"chain{k}", **options))
+
+    def drafter(bank: str, index: int):
+        return ProbeDrafter(ProbeConfig(tree=bank, index=index, **options)), plain
+
+    return Subject(k, lambda ids, P, task: calibrate_probe(plain, probe, ids, P, task, args.max_rank),
+                   plain, drafter, probe.candidates,
+                   {"head": f"probe (init {args.init}, lambda {args.lam})", "sampler": False})
+
+
+SUBJECTS = {"gated_lora": gated_subject, "probe": probe_subject}
+
+
 def _lean(model):
     """The lean inference form (`to_inference`) of a copy of the gated model, as the bench decodes."""
     from mtpkit.models.gated_lora.inference import to_inference
@@ -536,22 +657,17 @@ def _lean(model):
     return to_inference(copy.deepcopy(model))
 
 
-def check(model, bank: list[Topology], held, k: int, sampler: int) -> dict:
+def check(subject: Subject, bank: list[Topology], held) -> dict:
     """Every bank tree decoded on the held-out prompts (greedy, outputs checked against AR):
     decoded tau against the simulated tau on the same prompts."""
     import tempfile
 
-    from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
-
-    lean = _lean(model)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         bank_file = Path(tmp) / "bank.json"
         bank_file.write_text(json.dumps({"trees": [t.to_json() for t in bank], "schedules": {}}))  # static, index=i
         for i, tree in enumerate(tqdm(bank, desc="check", unit="tree")):
-            drafter = GatedLoRADrafter(GatedLoRADraftConfig(tree=str(bank_file), index=i, sampler=bool(sampler)),
-                                       model=lean)
-            target = Target(*drafter.adapt(None, {}))
+            drafter, target = subject.drafter(str(bank_file), i)
             tokens = calls = 0
             sim_cals = []
             for items in held.values():
@@ -562,7 +678,7 @@ def check(model, bank: list[Topology], held, k: int, sampler: int) -> dict:
                     tokens += len(got.tokens)
                     calls += got.target_calls
                     sim_cals.append(cal)
-            sim = rollout(sim_cals, [tree], k)
+            sim = rollout(sim_cals, [tree], subject.k)
             decoded = tokens / calls
             rows.append({"tree": i, "name": tree.name, "nodes": tree.num_nodes, "decoded_tau": round(decoded, 4),
                          "sim_tau": round(sim.tau, 4), "error": round(sim.tau / decoded - 1, 4)})
@@ -571,8 +687,9 @@ def check(model, bank: list[Topology], held, k: int, sampler: int) -> dict:
 
 
 def markdown(report: dict) -> str:
+    head = "sampler head" if report["sampler"] else "base head" if report["method"] == "gated_lora" else "mask logits"
     lines = [f"Draft trees of {report['head']} on {report['backbone']} (k = {report['k']}, "
-             f"{'sampler' if report['sampler'] else 'base'} head, blocks = {report['blocks']}, as many masks "
+             f"{head}, blocks = {report['blocks']}, as many masks "
              f"per block as the tree has levels); simulated greedy decoding, step costs measured here (ms: AR "
              f"{report['costs_ms']['ar']}, prefill {report['costs_ms']['prefill']})", "",
              "Per-step cost of a tree switch (median us): choosing the tree {choose_tree_us}, its attention mask from "

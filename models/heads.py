@@ -23,7 +23,16 @@ HEAD_CONFIG = "mtpkit_config.json"
 
 
 def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings (the string literal right after `name: type = default`)."""
+    """Attribute docstrings (the string literal right after `name: type = default`) of `cls` and
+    of the dataclasses it extends (a subclass's own text wins)."""
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls) -> dict[str, str]:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):

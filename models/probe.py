@@ -18,23 +18,28 @@ and proposes the next ("parallel verification and generation", Sec. 3.3, Fig. 1)
 - Pruning (Sec. 3.5): a candidate equal to its parent or to the last token is replaced by
   the next best.
 Presets BC = 10, 30, 60 use 1, 1 and 2 masks as in the paper (Sec. 4).
+- Rank trees (`tree=` a bank of eval/tree_frontier.py --method probe, or chainN): trees of the
+  masks' top-ranked tokens and a run-time schedule among them (`mtpkit.models.trees.MaskTreeDrafting`,
+  shared with the gated-LoRA drafter) instead of Alg. 1.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
 
 from mtpkit.models.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.heads import Method
+from mtpkit.models.trees import MaskTreeDrafting, TreeOptions
 
 INITS = ("mean", "hard", "sample")
 
 
 @dataclass
-class ProbeConfig:
+class ProbeConfig(TreeOptions):
     bc: int = 30
     """block complexity: input positions per forward (root + drafts + their masks)"""
     masks: int = 0
@@ -46,7 +51,11 @@ class ProbeConfig:
     prune: bool = True
     """replace candidates equal to their parent or the last token"""
     tree: str = "dynamic"
-    """`dynamic` (Alg. 1) or static branch counts per depth such as `7-2`"""
+    """`dynamic` (Alg. 1, under the `bc` budget), static branch counts per depth such as `7-2`, or a
+    draft tree of rank paths with a mask block on chosen nodes (mtpkit.models.trees): a bank file
+    written by eval/tree_frontier.py --method probe (with `schedule`, `task`, `index`, `log`), or
+    chainN (N top-1 tokens); a rank tree ignores `bc` and `prune`, and its blocks hold as many
+    masks as its deepest tree has levels (or `masks`, if set)"""
     seed: int = 0
     """seed of the `sample` init"""
 
@@ -91,14 +100,19 @@ def build_tree(dists: torch.Tensor, root_token: int, num_nodes: int, branches: l
     return [nodes[i][2] for i in kept], [0 if nodes[i][3] == -1 else position[nodes[i][3]] for i in kept]
 
 
-class ProbeDrafter(Drafter):
+class ProbeDrafter(MaskTreeDrafting, Drafter):
     name = "probe"
 
     def __init__(self, config: ProbeConfig = ProbeConfig()):
         c = config
-        self.k = c.masks or (1 if c.bc <= 30 else 2)
         if c.init not in INITS:
             raise ValueError(f"probe init must be one of {INITS}, got {c.init!r}")
+        self.config = c
+        if c.tree != "dynamic" and not re.fullmatch(r"\d+(-\d+)*", c.tree):  # a rank tree (bank or chainN)
+            self.setup_trees(c, "probe")
+            self.k = c.masks or max(self.trees[i].depth for i in self.schedule.trees)
+            return
+        self.k = c.masks or (1 if c.bc <= 30 else 2)
         if c.tree == "dynamic":
             self.branches = None
             self.num_nodes = c.bc // (self.k + 1) - 1
@@ -112,7 +126,6 @@ class ProbeDrafter(Drafter):
             self.num_nodes = sum(self.branches)
         if self.num_nodes < 1:
             raise ValueError(f"probe bc={c.bc} leaves no draft node with {self.k} masks (need bc >= {2 * (self.k + 1)})")
-        self.config = c
 
     def begin(self, target, prompt_ids: list[int]) -> None:
         table = target.embed.weight.detach()  # [V, d]
@@ -133,8 +146,12 @@ class ProbeDrafter(Drafter):
         self.table = table
         self.dists = None  # [k, V] mask outputs after the last accepted node
         self.mask_rows: list[list[int]] = []
+        if self.trees is not None:  # its blocks use a view of the first rows: Eq. 4's updates (in place) show
+            self.begin_trees(self.masks)
 
     def propose(self, tokens: list[int]) -> Draft:
+        if self.trees is not None:
+            return self.propose_tree()
         if self.dists is None:
             draft_tokens, parents = [], []
         else:
@@ -152,7 +169,10 @@ class ProbeDrafter(Drafter):
                      extra_embeds=self.masks.repeat(N + 1, 1), extra_parents=torch.tensor(extra_parents, dtype=torch.long))
 
     def observe(self, step: StepOutput) -> None:
-        self.dists = torch.softmax(step.logits(self.mask_rows[step.last_node]), dim=-1)  # [k, V]
+        if self.trees is not None:
+            self.observe_tree(step)
+        else:
+            self.dists = torch.softmax(step.logits(self.mask_rows[step.last_node]), dim=-1)  # [k, V]
         for token in step.new_tokens:  # Eq. 4, once per generated token
             self.masks += self.config.lam * (self.table[token] - self.masks)
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from mtpkit.models.drafter import Draft, StepOutput
+
 
 @lru_cache(maxsize=512)
 def tree_layout(parents: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,3 +275,122 @@ def load_bank(spec: str, task: str | None = None) -> tuple[list[Topology], dict[
         chosen = schedules.get(task) if task else next(iter(schedules.values()), {})
         return trees, chosen or {}
     return [Topology(spec)], {}
+
+
+@dataclass
+class TreeOptions:
+    """Draft-tree options of the mask-token drafters (`MaskTreeDrafting`)."""
+    tree: str = ""
+    """draft a TREE instead of the drafter's own drafts: a bank file written by
+    eval/tree_frontier.py, or chainN (N top-1 tokens); '' = the drafter's own. Tree drafts are the
+    head's top-ranked tokens (deterministic, exact under sampling by the verifier's
+    multi-candidate rule)"""
+    schedule: str = "static"
+    """static | ladder | hyst: which of the bank's trees each step uses (mtpkit.models.trees);
+    ladder and hyst read their trees and thresholds from the bank's schedules for `task`"""
+    task: str = ""
+    """the bank's task whose calibrated schedules to use ('' = the first in the file)"""
+    index: int = -1
+    """schedule=static: the bank's tree to use (-1 = the task's calibrated static tree, or tree 0)"""
+    log: str = ""
+    """append one JSON line per verifier step (tree index, nodes, accepted, path value) to this file"""
+
+
+def tree_schedule(options: TreeOptions, schedules: dict, n_trees: int, method: str) -> Schedule:
+    """The schedule `options` ask for, from a bank's calibrated schedules."""
+    if options.schedule == "static":
+        if options.index >= 0:
+            index = options.index
+        elif "static" in schedules:
+            index = schedules["static"]["trees"][0]
+        else:
+            index = 0
+        if not 0 <= index < n_trees:
+            raise ValueError(f"{method} index={index}: the bank {options.tree} has {n_trees} trees")
+        return Schedule("static", [index])
+    if options.schedule not in schedules:
+        raise ValueError(f"{method} schedule={options.schedule}: the bank {options.tree} has no calibrated "
+                         f"{options.schedule!r} schedule (has {sorted(schedules)}); run eval/tree_frontier.py")
+    entry = schedules[options.schedule]  # the bank's entry also holds its simulated tau and tokens/s
+    return Schedule(entry["kind"], list(entry["trees"]), list(entry.get("thresholds", [])))
+
+
+class MaskTreeDrafting:
+    """Tree drafting for a drafter whose mask tokens propose the next step (gated LoRA, the probe).
+
+    Each step feeds [root, the tree's nodes, a block of D masks after the root and after every
+    node the topology gives one]; the block after the deepest accepted node proposes the next
+    tree (`candidates`), chosen by the schedule from the path value read off that block. D is the
+    depth of the schedule's deepest tree: mask i only sees masks 1..i of its block, so the first D
+    are the same as in a longer block and the others would only cost rows. A drafter calls
+    `setup_trees` once, `begin_trees` per prompt, and returns `propose_tree` / `observe_tree`."""
+
+    trees: list[Topology] | None = None
+    tree_log = None
+
+    def setup_trees(self, options: TreeOptions, method: str) -> None:
+        self.tree_options, self.tree_method = options, method
+        self.trees, self.schedule, self.bank = None, None, None
+        if options.tree:
+            self.trees, schedules = load_bank(options.tree, options.task or None)
+            self.schedule = tree_schedule(options, schedules, len(self.trees), method)
+
+    def begin_trees(self, masks: torch.Tensor) -> None:
+        """Per prompt: `masks` [>= D, d], the embeddings of a block's masks (the first D are used)."""
+        block = max(self.trees[i].depth for i in self.schedule.trees)
+        if block > masks.shape[0]:
+            raise ValueError(f"{self.tree_method} tree {self.tree_options.tree}: a tree of depth {block} needs "
+                             f"{block} masks, the drafter has {masks.shape[0]}")
+        self.block_masks = masks[:block]
+        if self.bank is None or self.bank.k != block:  # compiled once, not per prompt
+            self.bank = TopologyBank(self.trees, block)
+        self.block = block
+        self.position = self.schedule.start()  # index into schedule.trees
+        self.current = None  # the compiled tree of the draft in flight (None: no draft)
+        self.tree_tokens: list[int] = []
+        if self.tree_options.log and self.tree_log is None:  # line-buffered: one line per step, kept on a crash
+            self.tree_log = open(self.tree_options.log, "a", buffering=1)
+
+    def propose_tree(self) -> Draft:
+        masks = self.block_masks
+        if self.current is None:  # nothing to speculate: the root's mask block alone
+            return Draft(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long),
+                         extra_embeds=masks, extra_parents=torch.arange(self.block))
+        c = self.current
+        return Draft(tokens=torch.tensor(self.tree_tokens, dtype=torch.long), parents=c.parents,
+                     extra_embeds=masks.repeat(len(c.block_rows), 1), extra_parents=c.extra_parents,
+                     layout=c.layout, children=c.children)
+
+    def observe_tree(self, step: StepOutput) -> None:
+        if self.current is None:  # the root's block: rows right after the root
+            rows = list(range(1, 1 + self.block))
+        else:
+            rows = self.current.block_rows.get(step.last_node)
+        used = self.schedule.trees[self.position] if self.current is not None else None
+        value = None
+        if rows is None:  # the deepest accepted node carries no mask block: no speculation next
+            self.current, self.tree_tokens = None, []
+        else:
+            if self.schedule.kind != "static":
+                value = self.path_value(step, rows)
+                self.position = self.schedule.next(self.position, value)
+            self.current = self.bank.get(self.schedule.trees[self.position])
+            self.tree_tokens = self.candidates(step, rows, self.current)
+        if self.tree_log is not None:
+            self.tree_log.write(json.dumps({"tree": used, "accepted": len(step.accepted), "value": value,
+                                            "next": None if self.current is None
+                                            else self.schedule.trees[self.position]}) + "\n")
+
+    def path_value(self, step: StepOutput, rows: list[int]) -> float:
+        """EAGLE-2's path value at this step: the target's top-1 probability at the last accepted
+        node (its bonus token) times the mask head's top-1 probability at every mask of the block.
+        Read off logits the verifier computes anyway."""
+        probs = torch.softmax(step.logits([step.last_node] + rows).float(), -1).amax(-1)
+        return float(probs.prod())
+
+    def candidates(self, step: StepOutput, rows: list[int], compiled: Compiled) -> list[int]:
+        """Tokens of every node of `compiled`'s tree from the mask block at `rows` (Medusa-style):
+        node (r_1..r_d) = the r_d-th token of mask d's logits, shared by every branch."""
+        t = compiled.topology
+        top = step.logits(rows[: t.depth]).topk(t.max_rank, dim=-1).indices.tolist()  # [depth, width]
+        return [top[d - 1][r] for d, r in zip(t.depths, t.ranks)]

@@ -68,7 +68,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls) -> None:
         if name in seen:
             raise ConfigError(f"{cls.__name__}: field {name!r} appears twice ({seen[name]} and {path})")
         seen[name] = path
-        doc = _docs(owner).get(name, "")
+        doc = field_docs(owner).get(name, "")
         default = _get(cls(), path)
         parser.add_argument(_flag(name), dest="cfg__" + "__".join(path), default=None,
                             metavar=getattr(kind, "__name__", "VALUE").upper() if kind is not bool else "0|1",
@@ -78,15 +78,6 @@ def add_config_args(parser: argparse.ArgumentParser, cls) -> None:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _docs(cls) -> dict[str, str]:
-    """Attribute docstrings of `cls` and of the dataclasses it extends (a subclass's own text wins)."""
-    docs = {}
-    for klass in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(klass):
-            docs.update(field_docs(klass))
-    return docs
 
 
 def _wrap_type(fn, name):

@@ -26,13 +26,12 @@ distribution (tests/eval/test_gated_sampling.py).
 
 Trees (`tree=`): the block after the deepest accepted node proposes a draft TREE of the head's
 top-ranked candidates (`mtpkit.models.trees`: rank paths, mask blocks on chosen nodes, a bank of
-precompiled trees and a schedule choosing among them by the path value), see `_candidates`.
+precompiled trees and a schedule choosing among them by the path value), see `candidates`.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 
 import torch
@@ -42,14 +41,14 @@ from mtpkit.models.gated_lora.head import load_head
 from mtpkit.models.gated_lora.inference import to_inference
 from mtpkit.models.gated_lora.model import GatedMTP
 from mtpkit.models.generate import target_probs
-from mtpkit.models.trees import Schedule, TopologyBank, load_bank, mask_blocks
+from mtpkit.models.trees import MaskTreeDrafting, TreeOptions, mask_blocks
 
 DECODINGS = ("linear", "quadratic")
 DRAFTS = ("sample", "argmax")
 
 
 @dataclass
-class GatedLoRADraftConfig:
+class GatedLoRADraftConfig(TreeOptions):
     head: str = ""
     """head folder (train/export.py output or a checkpoint's head/)"""
     decoding: str = "quadratic"
@@ -65,22 +64,10 @@ class GatedLoRADraftConfig:
     the argmax, verified as a one-hot proposal (argmax). Greedy decoding always takes the argmax"""
     seed: int = 0
     """seed of the drafter's own generator (drafts=sample under speculative sampling only)"""
-    tree: str = ""
-    """draft a TREE instead of the chain: a bank file written by eval/tree_frontier.py, or chainN
-    (N top-1 tokens); '' = the linear / quadratic chain. Tree drafts are the head's top-ranked
-    tokens (deterministic, exact under sampling by the verifier's multi-candidate rule)"""
-    schedule: str = "static"
-    """static | ladder | hyst: which of the bank's trees each step uses (mtpkit.models.trees);
-    ladder and hyst read their trees and thresholds from the bank's schedules for `task`"""
-    task: str = ""
-    """the bank's task whose calibrated schedules to use ('' = the first in the file)"""
-    index: int = -1
-    """schedule=static: the bank's tree to use (-1 = the task's calibrated static tree, or tree 0)"""
-    log: str = ""
-    """append one JSON line per verifier step (tree index, nodes, accepted, path value) to this file"""
+    # tree, schedule, task, index, log: `TreeOptions` (draft trees, mtpkit.models.trees)
 
 
-class GatedLoRADrafter(Drafter):
+class GatedLoRADrafter(MaskTreeDrafting, Drafter):
     name = "gated_lora"
 
     def __init__(self, config: GatedLoRADraftConfig = GatedLoRADraftConfig(), model: GatedMTP | None = None):
@@ -92,10 +79,7 @@ class GatedLoRADrafter(Drafter):
             raise ValueError("gated_lora needs head=DIR (a folder written by train/export.py)")
         self.config = config
         self.model = model
-        self.trees, self.schedule, self.bank, self.log = None, None, None, None
-        if config.tree:
-            self.trees, schedules = load_bank(config.tree, config.task or None)
-            self.schedule = tree_schedule(config, schedules, len(self.trees))
+        self.setup_trees(config, "gated_lora")
         # seeded once, not per prompt: every decode must draw fresh speculations (drafts repeated
         # across runs are not samples from q, and the acceptance rule would be biased)
         self.gen = torch.Generator().manual_seed(config.seed)
@@ -129,23 +113,11 @@ class GatedLoRADrafter(Drafter):
         self.spec_probs: torch.Tensor | None = None
         self.blocks: dict[int, list[int]] = {}
         if self.trees is not None:
-            # masks per block: the depth of the schedule's deepest tree (mask i only sees masks
-            # 1..i, so the first D of a block are exact and the others would only cost rows)
-            block = max(self.trees[i].depth for i in self.schedule.trees)
-            if block > self.k:
-                raise ValueError(f"gated_lora tree {self.config.tree}: a tree of depth {block} is deeper than k={self.k}")
-            self.masks = self.masks[:block]
-            if self.bank is None or self.bank.k != block:  # compiled once, not per prompt
-                self.bank = TopologyBank(self.trees, block)
-            self.block = block
-            self.position = self.schedule.start()  # index into schedule.trees
-            self.current = None  # the compiled tree of the draft in flight (None: no draft)
-            if self.config.log and self.log is None:  # line-buffered: one line per step, kept on a crash
-                self.log = open(self.config.log, "a", buffering=1)
+            self.begin_trees(self.masks)
 
     def propose(self, tokens: list[int]) -> Draft:
         if self.trees is not None:
-            return self._propose_tree()
+            return self.propose_tree()
         N = len(self.spec)
         anchors = list(range(N + 1)) if self.config.decoding == "quadratic" else [N]
         extra_parents, self.blocks = mask_blocks(anchors, N + 1, self.k)
@@ -155,7 +127,7 @@ class GatedLoRADrafter(Drafter):
 
     def observe(self, step: StepOutput) -> None:
         if self.trees is not None:
-            return self._observe_tree(step)
+            return self.observe_tree(step)
         rows = self.blocks.get(step.last_node)
         self.spec_probs = None
         if rows is None:  # linear decoding after a partial acceptance: nothing to speculate
@@ -191,52 +163,15 @@ class GatedLoRADrafter(Drafter):
         q = target_probs(step.logits(rows), T, top_p)  # [k, V]: q_i = target_probs(W z_i)
         return torch.multinomial(q, 1, generator=self.gen)[:, 0].tolist(), q
 
-    # ---- draft trees (mtpkit.models.trees) ----
-    def _propose_tree(self) -> Draft:
-        if self.current is None:  # nothing to speculate: the root's mask block alone
-            return Draft(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long),
-                         extra_embeds=self.masks, extra_parents=torch.arange(self.block))
-        c = self.current
-        return Draft(tokens=torch.tensor(self.spec, dtype=torch.long), parents=c.parents,
-                     extra_embeds=self.masks.repeat(len(c.block_rows), 1), extra_parents=c.extra_parents,
-                     layout=c.layout, children=c.children)
-
-    def _observe_tree(self, step: StepOutput) -> None:
-        if self.current is None:  # the root's block: rows right after the root
-            rows = list(range(1, 1 + self.block))
-        else:
-            rows = self.current.block_rows.get(step.last_node)
-        used = self.schedule.trees[self.position] if self.current is not None else None
-        value = None
-        if rows is None:  # the deepest accepted node carries no mask block: no speculation next
-            self.current, self.spec = None, []
-        else:
-            if self.schedule.kind != "static":
-                value = self.path_value(step, rows)
-                self.position = self.schedule.next(self.position, value)
-            self.current = self.bank.get(self.schedule.trees[self.position])
-            self.spec = self._candidates(step, rows, self.current)
-        if self.log is not None:
-            self.log.write(json.dumps({"tree": used, "accepted": len(step.accepted), "value": value,
-                                       "next": None if self.current is None else self.schedule.trees[self.position]}) + "\n")
-
-    def path_value(self, step: StepOutput, rows: list[int]) -> float:
-        """EAGLE-2's path value at this step: the target's top-1 probability at the last accepted
-        node (its bonus token) times the base head's top-1 probability at every mask of the block
-        (D = the deepest tree of the schedule). Read off logits the verifier computes anyway."""
-        probs = torch.softmax(step.logits([step.last_node] + rows).float(), -1).amax(-1)
-        return float(probs.prod())
-
-    def _candidates(self, step: StepOutput, rows: list[int], compiled) -> list[int]:
+    def candidates(self, step: StepOutput, rows: list[int], compiled) -> list[int]:
         """Tokens of every node of `compiled`'s tree from the mask block at `rows`. Base head:
-        node (r_1..r_d) = the r_d-th token of mask d's logits (Medusa-style, shared by every
-        branch); sampler: the r_d-th token of W MLP([E(parent's token); z_d]), one sampler call
-        per depth over that depth's parents (one host read per depth: the next depth's inputs)."""
+        `MaskTreeDrafting.candidates` (the r_d-th token of mask d's logits); sampler: the r_d-th
+        token of W MLP([E(parent's token); z_d]), one sampler call per depth over that depth's
+        parents (one host read per depth: the next depth's inputs)."""
+        if not self.config.sampler:
+            return super().candidates(step, rows, compiled)
         t = compiled.topology
         width = t.max_rank
-        if not self.config.sampler:
-            top = step.logits(rows[: t.depth]).topk(width, dim=-1).indices.tolist()  # [depth, width]
-            return [top[d - 1][r] for d, r in zip(t.depths, t.ranks)]
         z = step.hidden[rows]  # [block, d]
         tokens = [0] * t.num_nodes
         node_token = {0: step.new_tokens[-1]}  # the root of the next step: the bonus token
@@ -248,21 +183,3 @@ class GatedLoRADrafter(Drafter):
                 tokens[j - 1] = node_token[j] = top[where[t.parents[j - 1]]][t.ranks[j - 1]]
         return tokens
 
-
-def tree_schedule(config: GatedLoRADraftConfig, schedules: dict, n_trees: int) -> Schedule:
-    """The schedule a drafter config asks for, from the bank's calibrated schedules."""
-    if config.schedule == "static":
-        if config.index >= 0:
-            index = config.index
-        elif "static" in schedules:
-            index = schedules["static"]["trees"][0]
-        else:
-            index = 0
-        if not 0 <= index < n_trees:
-            raise ValueError(f"gated_lora index={index}: the bank {config.tree} has {n_trees} trees")
-        return Schedule("static", [index])
-    if config.schedule not in schedules:
-        raise ValueError(f"gated_lora schedule={config.schedule}: the bank {config.tree} has no calibrated "
-                         f"{config.schedule!r} schedule (has {sorted(schedules)}); run eval/tree_frontier.py")
-    entry = schedules[config.schedule]  # the bank's entry also holds its simulated tau and tokens/s
-    return Schedule(entry["kind"], list(entry["trees"]), list(entry.get("thresholds", [])))

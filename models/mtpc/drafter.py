@@ -40,11 +40,29 @@ drafter's own randomness (the path), so the output is still distributed as the t
 verifier then needs no position's r units at all (for BTree: no full inner weights beyond the
 kept byte's path either), at the price of the mixture's averaging (the marginal accepts more in
 expectation, by concavity of min(p, q)).
+
+Trees (`tree=`, rank paths as in `mtpkit.models.trees`): node (r_1..r_d) sits under node
+(r_1..r_{d-1}) and holds, for greedy decoding, the r_d-th most probable byte of the circuit's exact
+conditional q(x_d | the kept bytes, the parent path's bytes) (`next_log_probs_posterior`, one
+batched query per depth over that depth's parents; the rank-0 path is `greedy=chain`); under
+speculative sampling, the r_d-th draw WITHOUT replacement from that conditional (Gumbel top-k),
+verified with q with the earlier draws' bytes zeroed and renormalised, the distribution it was
+drawn from. The verifier's recursive rejection (accept x with min(1, p / q), else p <- norm(max(p
+- q, 0)) and the next sibling) is then exact: Jeon et al., "Recursive Speculative Decoding:
+Accelerating LLM Inference via Sampling Without Replacement" (arXiv:2402.14160). Merging
+i.i.d. windows into a trie and deduplicating siblings would NOT be: a dropped duplicate's
+rejection would have moved p by its residual update, and that update is lost. A rank with no
+lower-ranked sibling in the tree (paths [[1]]) is still the r-th draw, verified with q less the
+earlier draws (exact: they are the drafter's own randomness). Under sampling the bonus is
+dropped (`cycle=alg2`) only when the whole depth was accepted: the last accepted node is then a
+leaf, whose bonus is a plain sample of p. `verify=path` and `greedy=mode` do not apply to trees.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -55,6 +73,7 @@ from mtpkit.models.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.mtpc.decode import LazyBTree, decode_window
 from mtpkit.models.mtpc.head import load_head
 from mtpkit.models.mtpc.model import MTPCModel
+from mtpkit.models.trees import Topology, load_bank
 
 CYCLES = ("alg2", "bonus")
 VERIFY = ("marginal", "path")
@@ -85,6 +104,14 @@ class MTPCDraftConfig:
     since the path is the drafter's own randomness, and cheaper, as no verified position needs
     all r units; but the mixture's averaging is lost, so fewer bytes are accepted, see
     docs/mtpc.md). Same for FF (one unit)"""
+    tree: str = ""
+    """draft a TREE of rank paths instead of a chain: chainN, a JSON list of rank paths such as
+    [[0],[1],[0,0]], or a .json file holding one such list or a bank written by
+    eval/tree_frontier.py (its tree `index`). Node (r_1..r_d) is the r_d-th most probable byte of the circuit's exact
+    conditional given its parent's path (greedy), or the r_d-th draw without replacement from it
+    (sampling: exact, see the module docstring). At most n deep (n - 1 with cycle=bonus); '' = chain"""
+    index: int = 0
+    """tree=a bank file: which of its trees to draft"""
     trust_remote_code: bool = False
     """let a cirkit head's config name a `module:function` that loading imports and runs as its
     circuit builder (only for heads whose code you trust)"""
@@ -103,6 +130,53 @@ class LazyConditionals:
         return self.rows[j]
 
 
+def load_tree(spec: str, index: int = 0) -> Topology:
+    """The draft tree `spec` names (`MTPCDraftConfig.tree`); a ValueError naming `tree` otherwise."""
+    text = spec.strip()
+    inline = text.startswith("[") or (text.startswith("chain") and not Path(text).is_file())
+    if not inline and not Path(text).is_file():
+        raise ValueError(f"mtpc tree={spec!r}: neither chainN, a JSON list of rank paths like [[0],[1],[0,0]], "
+                         "nor a file")
+    try:
+        data = None if inline else json.loads(Path(text).read_text())
+        if inline or isinstance(data, list):  # one tree: inline, or a file of its rank paths
+            trees = [Topology(text if inline else data)]
+        else:
+            trees, _ = load_bank(text)
+    except (ValueError, TypeError) as e:  # a JSONDecodeError is a ValueError; a path not a list: TypeError
+        raise ValueError(f"mtpc tree={spec!r}: {e}") from None
+    if not 0 <= index < len(trees):
+        raise ValueError(f"mtpc tree={spec!r} index={index}: the bank has {len(trees)} trees")
+    if not trees[index].num_nodes:
+        raise ValueError(f"mtpc tree={spec!r}: the tree is empty")
+    return trees[index]
+
+
+def tree_levels(tree: Topology, device=None) -> list[tuple]:
+    """Per depth 1..D: (its nodes, their distinct parents, each node's index into those parents,
+    each node's rank) as LongTensors on `device`, and 1 + its largest rank (node 0 = the root,
+    j = tree.paths[j - 1])."""
+    levels = []
+    for d in range(1, tree.depth + 1):
+        nodes = [j for j in range(1, tree.num_nodes + 1) if tree.depths[j - 1] == d]
+        parents = sorted({tree.parents[j - 1] for j in nodes})
+        index = [parents.index(tree.parents[j - 1]) for j in nodes]
+        ranks = [tree.ranks[j - 1] for j in nodes]
+        levels.append((*(torch.tensor(x, device=device) for x in (nodes, parents, index, ranks)), 1 + max(ranks)))
+    return levels
+
+
+def sibling_probs(q: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """[P, k, V]: row j of parent p is q[p] [V] with the bytes of its draws order[p, :j] zeroed and
+    renormalised, the distribution its j-th draw without replacement comes from (all zero once
+    q's support is used up: such a node is never accepted and leaves p as it is)."""
+    earlier = torch.zeros(*order.shape, q.shape[-1], dtype=q.dtype, device=q.device)
+    earlier.scatter_(2, order[:, :, None], 1.0)
+    earlier = earlier.cumsum(1) - earlier                       # [P, k, V]: drawn before draw j
+    rows = q[:, None] * (1 - earlier)
+    return rows / rows.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
 class MTPCDrafter(Drafter):
     name = "mtpc"
 
@@ -117,6 +191,11 @@ class MTPCDrafter(Drafter):
             raise ValueError(f"mtpc units must be one of {tuple(UNIT_DTYPES)}, got {config.units!r}")
         if config.verify not in VERIFY:
             raise ValueError(f"mtpc verify must be one of {VERIFY}, got {config.verify!r}")
+        self.tree = load_tree(config.tree, config.index) if config.tree else None
+        if self.tree is not None and config.verify == "path":
+            raise ValueError(f"mtpc tree={config.tree!r}: verify=path applies to chain drafts only (a tree's "
+                             "bytes are drawn from the prefix conditionals and verified with them)")
+        self.levels_device = None  # the device `levels` (`tree_levels`) were built on
         self.config, self.model = config, model
         # seeded once, not per prompt: every decode must draw fresh windows (a window repeated
         # across runs is not a sample from q, and the acceptance rule would be biased)
@@ -128,6 +207,11 @@ class MTPCDrafter(Drafter):
         n = self.model.cfg.n
         if not 0 <= self.config.n <= n:
             raise ValueError(f"mtpc n={self.config.n}: the head's window is {n}")
+        if self.tree is not None:  # the kept bonus (cycle=bonus: always one) takes a window position
+            window = (self.config.n or n) - (self.config.cycle == "bonus")
+            if self.tree.depth > window:
+                raise ValueError(f"mtpc tree={self.config.tree!r}: depth {self.tree.depth} does not fit the window "
+                                 f"(n={self.config.n or n}, cycle={self.config.cycle}: at most {window} deep)")
         self.shared_layer = None if self.model.draft is None else self.model.draft.start
         self.model.eval()
 
@@ -147,8 +231,8 @@ class MTPCDrafter(Drafter):
     def drop_bonus(self, accepted: int, proposed: int) -> bool:
         if self.config.cycle == "bonus":
             return False
-        if self.sampling:  # exact: only a bonus drawn from p itself may be redrawn next cycle
-            return accepted == proposed
+        if self.sampling:  # exact: only a bonus drawn from p itself may be redrawn next cycle, i.e.
+            return accepted == self.draft_depth  # one after a leaf (a chain: every byte accepted)
         return accepted > 0 or proposed == 0
 
     def begin(self, target, prompt_ids: list[int]) -> None:
@@ -162,16 +246,22 @@ class MTPCDrafter(Drafter):
         self.length = 0        # bytes in the sequence before the current step
         self.cache = DynamicCache() if self.model.draft is not None else None
         self.cached = 0        # positions the draft layers have processed
+        self.draft_depth = 0   # depth of the draft in flight
+        if self.tree is not None and self.levels_device != self.device:
+            self.levels, self.levels_device = tree_levels(self.tree, self.device), self.device
 
     def propose(self, tokens: list[int]) -> Draft:
-        self.length = len(tokens)
+        self.length, self.draft_depth = len(tokens), 0
         if self.e is None:
             return Draft.empty()
         m, n = len(self.given), self.n
+        self.draft_depth = n - m
         # positions of the circuit used: ff/cp/hmm cut to the marginal of the first n positions;
         # btree and cirkit circuits keep their window and the draft is its first n bytes (a
         # prefix of a window drawn from q is a draw from q's marginal: exact as well)
         span = n if self.model.cfg.arch in ("ff", "cp", "hmm") else self.model.cfg.n
+        if self.tree is not None:
+            return self._propose_tree(span)
         evidence = observed = None
         if m:
             evidence = torch.zeros(1, span, dtype=torch.long, device=self.device)
@@ -181,13 +271,53 @@ class MTPCDrafter(Drafter):
             window, log_conditional = self._sample(evidence, observed, span)
             return Draft(tokens=window[m:n], parents=torch.arange(n - m),
                          draft_probs=LazyConditionals(log_conditional, m))
+        pick = mode if self.config.greedy == "mode" else greedy_chain
+        window = pick(self._head_params(span), evidence, observed)[0, m:n]  # stays on the device: the verifier reads it
+        return Draft(tokens=window, parents=torch.arange(len(window)))
+
+    def _head_params(self, span: int):
+        """The whole head's circuit of e over its first `span` positions (greedy drafts)."""
         params = self.model.head(self.e[None])
         if span < params.n and isinstance(params, CircuitParams):  # the marginal of the first n positions
             inner = None if params.inner is None else params.inner[:, : span - 1]
             params = CircuitParams(params.arch, params.log_phi[:, :span], params.root, inner)
-        pick = mode if self.config.greedy == "mode" else greedy_chain
-        window = pick(params, evidence, observed)[0, m:n]  # stays on the device: the verifier reads it
-        return Draft(tokens=window, parents=torch.arange(len(window)))
+        return params
+
+    def _propose_tree(self, span: int) -> Draft:
+        """The draft tree cut to the window the kept bytes leave, depth by depth: one batched
+        conditional query over the depth's parents, then each child's byte is the rank-th of the
+        parent's conditional (greedy) or its rank-th Gumbel top-k draw, i.e. without replacement
+        (sampling, with `sibling_probs` as its draft_probs row)."""
+        m = len(self.given)
+        depth = min(self.tree.depth, self.n - m)
+        N = sum(d <= depth for d in self.tree.depths)  # paths sort by depth: the first N nodes
+        if self.sampling:
+            params, units = decode_window(self.model.head, self.e, span, UNIT_DTYPES[self.config.units])
+            if units is not None:  # the conditionals read the units of positions < m + depth
+                units.upto(m + depth)
+        else:
+            params = self._head_params(span)
+        prefix = torch.zeros(N + 1, span, dtype=torch.long, device=self.device)  # [N + 1, span]: row j = node j's path
+        prefix[:, :m] = torch.tensor(self.given, dtype=torch.long, device=self.device)
+        tokens = torch.zeros(N, dtype=torch.long, device=self.device)
+        probs = None
+        for d, (nodes, parents, index, ranks, k) in enumerate(self.levels[:depth], start=1):
+            i = m + d - 1
+            batch = params.index(torch.zeros(len(parents), dtype=torch.long, device=self.device))
+            log_q = next_log_probs_posterior(batch, prefix[parents], i)  # [P, V]: q(x_i | each parent's path)
+            if self.sampling:  # Gumbel top-k: k draws without replacement, in order
+                u = torch.rand(log_q.shape, generator=self.gen, device=log_q.device, dtype=log_q.dtype)
+                order = (log_q - (-u.clamp_min(1e-20).log()).log()).topk(k, -1).indices  # [P, k]
+                if probs is None:
+                    probs = torch.zeros(N, log_q.shape[-1], dtype=log_q.dtype, device=log_q.device)
+                probs[nodes - 1] = sibling_probs(log_q.exp(), order)[index, ranks]
+            else:  # ties as argmax breaks them (stable: the lower byte first)
+                order = log_q.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+            tokens[nodes - 1] = order[index, ranks]
+            prefix[nodes] = prefix[parents[index]]
+            prefix[nodes, i] = tokens[nodes - 1]
+        self.draft_depth = depth
+        return Draft(tokens=tokens, parents=torch.tensor(self.tree.parents[:N]), draft_probs=probs)
 
     def _sample(self, evidence, observed, span: int):
         """A window [span] drawn from the circuit of e given the kept bytes, and the function
@@ -222,17 +352,22 @@ class MTPCDrafter(Drafter):
         if kept_bonus and self.config.cycle == "alg2" and not self.sampling:
             self.e, self.given = None, []   # the paper's branch: a state-only cycle comes next
             return
-        newest = step.last_node             # last accepted draft byte, or the root (0)
         self.given = [step.new_tokens[-1]] if kept_bonus else []
         if self.model.draft is None:
-            self.e = step.hidden[newest]
+            self.e = step.hidden[step.last_node]  # the last accepted draft byte, or the root (0)
             return
-        # rows of the forward: context positions, then the (chain) draft; row i is position
-        # first + i, so the accepted prefix is contiguous
-        first = self.length - step.context_len   # absolute position of row 0
-        upto = self.length - 1 + newest          # absolute position of the newest byte with a state
+        # rows of the forward: the context positions, then the step's nodes (node i at row
+        # context_len - 1 + i); a tree's accepted path is not contiguous, so the draft layers get
+        # the context rows they have not seen, then the accepted nodes' rows in path order
+        first = self.length - step.context_len        # absolute position of row 0
+        upto = self.length - 1 + len(step.accepted)   # absolute position of the newest byte with a state
         if upto >= self.cached:
-            rows = step.shared_hidden[self.cached - first: upto - first + 1][None]
+            path = [step.context_len - 1 + i for i in step.accepted]
+            if path == list(range(step.context_len, step.context_len + len(path))):  # a chain's: one slice
+                rows = step.shared_hidden[self.cached - first: upto - first + 1][None]
+            else:
+                rows = torch.cat([step.shared_hidden[self.cached - first: step.context_len],
+                                  step.shared_hidden[path]])[None]
             positions = torch.arange(self.cached, upto + 1, device=rows.device)[None]
             with torch.no_grad():
                 e = self.model.draft(rows, positions, past_key_values=self.cache)

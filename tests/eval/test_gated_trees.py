@@ -149,7 +149,7 @@ def test_bad_tree_options_are_clear(small, tmp_path):
     with pytest.raises(ValueError, match="no calibrated 'hyst'"):
         GatedLoRADrafter(GatedLoRADraftConfig(tree=_bank(tmp_path, [Topology("chain1")]), schedule="hyst"), model=head)
     drafter = GatedLoRADrafter(GatedLoRADraftConfig(tree="chain3"), model=head)
-    with pytest.raises(ValueError, match="deeper than k=2"):
+    with pytest.raises(ValueError, match="depth 3 needs 3 masks, the drafter has 2"):
         drafter.begin(None, [1])
 
 
@@ -176,6 +176,7 @@ def test_tree_frontier_and_bench_end_to_end(tmp_path):
     assert saved["check"]["prompts"] == 4 and {t["name"] for t in saved["trees"]} <= set(checked)
     assert len(checked) == 2  # every searched tree (t0_1n, t1_2n; chain1 and chain2 are those), up to 6
     assert set(saved["switch_cost"]) == {"choose_tree_us", "mask_from_bank_us", "mask_rebuilt_us"}
+    assert {f"draft:{t['name']}@2" for t in saved["trees"]} <= set(saved["costs_ms"])  # drafting is priced
     assert out.with_suffix(".md").read_text().count("| tree | nodes |") == 5 and out.with_suffix(".png").stat().st_size
     assert report["k"] == 2
     results = tmp_path / "bench" / "results.json"

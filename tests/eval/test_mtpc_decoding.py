@@ -41,22 +41,31 @@ class OracleMTPC(MTPCDrafter):
         super().begin(target, prompt_ids)
         self.start = len(prompt_ids)
 
-    def propose(self, tokens):
-        draft = super().propose(tokens)
-        if self.e is None:
-            return draft
+    def check_state(self, tokens) -> None:
+        """e_t equals the draft features recomputed over the whole sequence `tokens`."""
         with torch.no_grad():
             full = self.model.features(torch.tensor([tokens]))[0, -1 - len(self.given)]  # newest byte with a state
         # incremental == recomputed, up to the rounding of another summation order (values up to
         # ~2.7 here; CPU kernels differ by up to ~1.5e-4 between the two orders)
         torch.testing.assert_close(self.e, full, atol=1e-3, rtol=1e-3)
         self.checked += 1
+
+    def truth_after(self, tokens, length: int) -> list[int]:
+        """The next `length` true tokens after `tokens` (past the end: [0]), one corrupted at a
+        seeded random depth (or none)."""
         done = len(tokens) - self.start
-        spec = list(self.truth[done: done + len(draft.tokens)]) or [0]
+        spec = list(self.truth[done: done + length]) or [0]
         wrong = int(torch.randint(0, 2 * len(spec) + 1, (1,), generator=self.gen_oracle))
         if wrong < len(spec):
             spec[wrong] = (spec[wrong] + 1) % 256
-        return type(draft).chain(spec)
+        return spec
+
+    def propose(self, tokens):
+        draft = super().propose(tokens)
+        if self.e is None:
+            return draft
+        self.check_state(tokens)
+        return type(draft).chain(self.truth_after(tokens, len(draft.tokens)))
 
 
 @pytest.mark.parametrize("arch,L", CONFIGS)
