@@ -619,15 +619,16 @@ def gated_subject(args, base) -> Subject:
     if args.sampler and model.sampler is None:
         sys.exit(f"tree_frontier: --sampler 1 but {args.head} has no sampler head")
     lean = _lean(model)
+    plain = GatedLoRADrafter(GatedLoRADraftConfig(sampler=bool(args.sampler)), model=lean)  # its candidates time drafting
+    target = Target(*plain.adapt(None, {}))
 
-    def drafter(bank: str, index: int):
-        d = GatedLoRADrafter(GatedLoRADraftConfig(tree=bank, index=index, sampler=bool(args.sampler)), model=lean)
-        return d, Target(*d.adapt(None, {}))
+    def drafter(bank: str, index: int):  # decodes on the same adapted copy, so on `target`
+        return GatedLoRADrafter(GatedLoRADraftConfig(tree=bank, index=index, sampler=bool(args.sampler)),
+                                model=lean), target
 
     return Subject(model.config.k,
                    lambda ids, P, task: calibrate(model, ids, P, task, bool(args.sampler), args.max_rank),
-                   Target(lean.peft.get_base_model(), lean.gate), drafter,
-                   GatedLoRADrafter(GatedLoRADraftConfig(sampler=bool(args.sampler)), model=lean).candidates,
+                   target, drafter, plain.candidates,
                    {"head": args.head, "sampler": bool(args.sampler)})
 
 

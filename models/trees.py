@@ -142,6 +142,15 @@ class Topology:
         """Candidates needed per head position: 1 + the largest rank used."""
         return 1 + max(self.ranks, default=0)
 
+    def levels(self) -> list[tuple[list[int], list[int]]]:
+        """Per depth 1..D: (its nodes, their distinct parents, ascending); node j = paths[j - 1],
+        parent 0 = the root."""
+        out = []
+        for d in range(1, self.depth + 1):
+            nodes = [j for j in range(1, self.num_nodes + 1) if self.depths[j - 1] == d]
+            out.append((nodes, sorted({self.parents[j - 1] for j in nodes})))
+        return out
+
     def rows(self, k: int) -> int:
         """Rows of a verifier step with this tree and k-mask blocks: root + nodes + masks."""
         return 1 + self.num_nodes + k * len(self.block_nodes)
@@ -186,14 +195,10 @@ def compile_topology(topology: Topology, k: int) -> Compiled:
     N = topology.num_nodes
     extra_parents, block_rows = mask_blocks(topology.block_nodes, N + 1, k)
     full = tuple([-1] + topology.parents + extra_parents)
-    levels = []
-    for d in range(1, topology.depth + 1):
-        nodes = [j for j in range(1, N + 1) if topology.depths[j - 1] == d]
-        levels.append((nodes, sorted({topology.parents[j - 1] for j in nodes})))
     return Compiled(topology=topology, parents=torch.tensor(topology.parents, dtype=torch.long),
                     extra_parents=torch.tensor(extra_parents, dtype=torch.long), block_rows=block_rows,
                     children=children_of(topology.parents, N + 1), full_parents=full, layout=tree_layout(full),
-                    levels=levels)
+                    levels=topology.levels())
 
 
 @dataclass
@@ -257,15 +262,17 @@ class TopologyBank:
 
 def load_bank(spec: str, task: str | None = None) -> tuple[list[Topology], dict[str, dict]]:
     """Topologies and schedules from `spec`: a bank file written by `eval/tree_frontier.py`
-    (JSON: {"trees": [...], "schedules": {task: {name: schedule}}}), or one inline tree (a JSON
-    list of rank paths, or `chainN`). Returns (topologies, schedules of `task` or of the first
-    task, {} for an inline tree)."""
+    (JSON: {"trees": [...], "schedules": {task: {name: schedule}}}), a file holding one tree's
+    JSON list of rank paths, or one inline tree (a JSON list of rank paths, or `chainN`). Returns
+    (topologies, schedules of `task` or of the first task, {} for a single tree)."""
     path = Path(spec)
     if spec.endswith(".json") or path.is_file():
         if not path.is_file():
             raise ValueError(f"tree bank {spec}: no such file")
         try:
             data = json.loads(path.read_text())
+            if isinstance(data, list):  # a file of one tree's rank paths
+                return [Topology(data)], {}
             trees = [Topology(t["paths"], t.get("blocks", "chain"), t.get("name", "")) for t in data["trees"]]
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"tree bank {spec}: not a bank written by eval/tree_frontier.py ({e})") from None
@@ -282,7 +289,8 @@ class TreeOptions:
     """Draft-tree options of the mask-token drafters (`MaskTreeDrafting`)."""
     tree: str = ""
     """draft a TREE instead of the drafter's own drafts: a bank file written by
-    eval/tree_frontier.py, or chainN (N top-1 tokens); '' = the drafter's own. Tree drafts are the
+    eval/tree_frontier.py, a JSON list of rank paths such as [[0],[1],[0,0]] (inline or in a
+    .json file), or chainN (N top-1 tokens); '' = the drafter's own. Tree drafts are the
     head's top-ranked tokens (deterministic, exact under sampling by the verifier's
     multi-candidate rule)"""
     schedule: str = "static"

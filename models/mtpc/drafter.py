@@ -60,9 +60,7 @@ leaf, whose bonus is a plain sample of p. `verify=path` and `greedy=mode` do not
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -131,18 +129,10 @@ class LazyConditionals:
 
 
 def load_tree(spec: str, index: int = 0) -> Topology:
-    """The draft tree `spec` names (`MTPCDraftConfig.tree`); a ValueError naming `tree` otherwise."""
-    text = spec.strip()
-    inline = text.startswith("[") or (text.startswith("chain") and not Path(text).is_file())
-    if not inline and not Path(text).is_file():
-        raise ValueError(f"mtpc tree={spec!r}: neither chainN, a JSON list of rank paths like [[0],[1],[0,0]], "
-                         "nor a file")
+    """The draft tree `spec` names (`MTPCDraftConfig.tree`, read by `mtpkit.models.trees.load_bank`);
+    a ValueError naming `tree` otherwise."""
     try:
-        data = None if inline else json.loads(Path(text).read_text())
-        if inline or isinstance(data, list):  # one tree: inline, or a file of its rank paths
-            trees = [Topology(text if inline else data)]
-        else:
-            trees, _ = load_bank(text)
+        trees, _ = load_bank(spec.strip())
     except (ValueError, TypeError) as e:  # a JSONDecodeError is a ValueError; a path not a list: TypeError
         raise ValueError(f"mtpc tree={spec!r}: {e}") from None
     if not 0 <= index < len(trees):
@@ -157,9 +147,7 @@ def tree_levels(tree: Topology, device=None) -> list[tuple]:
     each node's rank) as LongTensors on `device`, and 1 + its largest rank (node 0 = the root,
     j = tree.paths[j - 1])."""
     levels = []
-    for d in range(1, tree.depth + 1):
-        nodes = [j for j in range(1, tree.num_nodes + 1) if tree.depths[j - 1] == d]
-        parents = sorted({tree.parents[j - 1] for j in nodes})
+    for nodes, parents in tree.levels():
         index = [parents.index(tree.parents[j - 1]) for j in nodes]
         ranks = [tree.ranks[j - 1] for j in nodes]
         levels.append((*(torch.tensor(x, device=device) for x in (nodes, parents, index, ranks)), 1 + max(ranks)))
