@@ -91,8 +91,10 @@ def test_greedy_trees_equal_ar_and_the_simulator_predicts_every_step(small, tmp_
     assert (sim.steps, sim.tokens) == (calls, 20 * len(PROMPTS))
 
 
-@pytest.mark.parametrize("kind", ["ladder", "hyst"])
-def test_schedules_switch_trees_exactly_as_simulated(small, tmp_path, kind):
+@pytest.mark.parametrize("kind,device_path", [("ladder", False), ("hyst", False), ("hyst", True)])
+def test_schedules_switch_trees_exactly_as_simulated(small, tmp_path, kind, device_path):
+    """A schedule's steps are the simulator's, on the CPU path and on the device path (what a GPU
+    runs: `cpu_paths` off, one host read per greedy step)."""
     head = close_head(small)
     trees = [Topology("chain1"), Topology(BRANCHY)]
     schedule = {"kind": kind, "trees": [0, 1], "thresholds": [0.25] if kind == "ladder" else [0.2, 0.3]}
@@ -101,6 +103,7 @@ def test_schedules_switch_trees_exactly_as_simulated(small, tmp_path, kind):
     drafter = GatedLoRADrafter(GatedLoRADraftConfig(tree=_bank(tmp_path, trees, {kind: entry}), schedule=kind,
                                                     sampler=False, log=str(log)), model=head)
     target = Target(*drafter.adapt(None, {}))
+    target.cpu_paths = not device_path
     cals, calls = [], 0
     for prompt in PROMPTS:
         want = decode(Target(small), Drafter(), prompt, 20).tokens
@@ -142,6 +145,19 @@ def test_grown_trees_are_scored_and_the_frontier_is_non_dominated(small):
     assert kept == [0, 1, 3]
 
 
+def test_the_schedules_pool_keeps_the_fastest_trees():
+    """A frontier longer than --pool-size (on a GPU more nodes keep paying): the pool keeps the
+    fastest trees, so the best static tree is in it, not the smallest ones."""
+    trees = [Topology(f"chain{d}") for d in range(1, 5)] + [Topology("[[0],[1],[0,0],[0,0,0],[0,0,0,0],[1,0]]")]
+    speeds = [40.0, 44.0, 46.0, 50.0, 55.0]  # every larger tree faster: all on the frontier
+    taus = [1.4, 1.6, 1.7, 1.8, 2.0]
+    kept, pool = tf.schedule_pool(trees, speeds, taus, pool_speed=0.8, pool_size=3)
+    assert kept == [0, 1, 2, 3, 4]
+    assert pool == [2, 3, 4]  # the three fastest, ordered by nodes
+    kept, pool = tf.schedule_pool(trees, [40.0, 44.0, 43.0, 42.0, 41.0], taus, pool_speed=0.9, pool_size=3)
+    assert kept == [0, 1] and pool == [1, 2, 3]  # tau-frontier trees within 90% of the fastest join
+
+
 def test_bad_tree_options_are_clear(small, tmp_path):
     head = close_head(small)
     with pytest.raises(ValueError, match="no such file"):
@@ -174,6 +190,7 @@ def test_tree_frontier_and_bench_end_to_end(tmp_path):
     assert all("static" in s for s in saved["schedules"].values())
     checked = [t["name"] for t in saved["check"]["trees"]]
     assert saved["check"]["prompts"] == 4 and {t["name"] for t in saved["trees"]} <= set(checked)
+    assert saved["check"]["matches_ar"] and saved["device"] == "cpu" and saved["dtype"] == "float32"
     assert len(checked) == 2  # every searched tree (t0_1n, t1_2n; chain1 and chain2 are those), up to 6
     assert set(saved["switch_cost"]) == {"choose_tree_us", "mask_from_bank_us", "mask_rebuilt_us"}
     assert {f"draft:{t['name']}@2" for t in saved["trees"]} <= set(saved["costs_ms"])  # drafting is priced

@@ -104,7 +104,7 @@ def test_probe_frontier_and_bench_end_to_end(tmp_path):
              "--per-category", "3", "--holdout", "1", "--max-new-tokens", "12", "--budgets", "1,2,3",
              "--rounds", "2", "--out", str(out)])
     saved = json.loads(out.read_text())
-    assert saved["method"] == "probe" and saved["k"] == 2 and saved["check"]["prompts"] == 4
+    assert saved["method"] == "probe" and saved["k"] == 2 and saved["check"]["prompts"] == 4 and saved["check"]["matches_ar"]
     assert all("static" in s for s in saved["schedules"].values())
     assert {f"draft:{t['name']}@2" for t in saved["trees"]} <= set(saved["costs_ms"])  # drafting is priced
     results = tmp_path / "bench" / "results.json"
