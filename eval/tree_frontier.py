@@ -9,7 +9,7 @@ rollout, a throughput frontier, static / ladder / hysteresis schedules).
         --out runs/trees/bank.json
 
 1. Calibration (one teacher-forced pass per prompt): the target's greedy continuation of the
-   prompt (`--max-new-tokens`), then one forward over prompt + continuation with a block of k masks
+   prompt (`--max-new-tokens`; with `--temperature T` its sampled continuation), then one forward over prompt + continuation with a block of k masks
    after every generated position (the training layout, `mtpkit.data.mtp`), reading for every
    position t and depth d the rank of the true token x[t+1+d] among the head's candidates (the base
    head's W z_d, or the sampler's W MLP([E(x[t+d]); z_d]) given the true parent), the target's
@@ -23,6 +23,12 @@ rollout, a throughput frontier, static / ladder / hysteresis schedules).
    rollout of a tree (or a schedule switching trees by the path value) is decoding replayed, with
    the same steps as `mtpkit.models.gated_lora.drafter` takes, exact up to floating-point ties
    of the ranks (the check in 5 measures it).
+   Under speculative sampling (`--temperature`) the same rollout holds: a tree's drafts are
+   one-hot (the head's top-ranked tokens), so the verifier's recursive rejection accepts a node
+   iff the token it samples is that node's token, and the output follows the target's
+   distribution. The steps are then a function of the output, and a rollout of the target's own
+   samples draws from the decoder's distribution of steps (the `drafts=sample` chains, whose q
+   is not one-hot, are not simulated).
 3. Growth (per task): from the empty tree add one node at a time: every child of a node (depth <=
    k, the next rank under its parent) is scored by the mean accept length over the steps of the
    current tree's own rollout with that node added (one-step "what-if", biased upwards), the best
@@ -43,7 +49,9 @@ rollout, a throughput frontier, static / ladder / hysteresis schedules).
    tau_on swept, tau_off = --hyst-ratio x tau_on).
 5. `--holdout N`: the last N prompts of each task are kept out of 1-4; every bank tree is then
    decoded on them through the real decoder (greedy, outputs checked against AR) and its decoded
-   tau compared with the simulated one (the error is reported and written to the bank).
+   tau compared with the simulated one (the error is reported and written to the bank). Under
+   sampling the two taus come from different draws, so they agree up to sampling noise; the
+   check also replays the decoder's own outputs and requires exactly its steps.
 
 Writes --out (the bank: trees, schedules per task, frontiers, costs, the check) and beside it a
 .md table and a .png (tau and tokens/s against draft nodes, per task). Use the bank with
@@ -486,7 +494,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--check-trees", type=int, default=6,
                    help="with --holdout: decode the bank's trees and further searched trees (smallest first) up to "
                         "this many in all")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens of each greedy continuation")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens of each calibration continuation")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy decoding; > 0: speculative sampling at this temperature: the calibration "
+                        "continuations are the target's samples, and the check decodes with sampling "
+                        "(default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed: prompt i's calibration draw uses seed + i "
+                                                        "(default: %(default)s)")
     p.add_argument("--budgets", default="2,4,8,16",
                    help="draft-node counts of the grown trees that are re-scored and may enter the bank")
     p.add_argument("--max-rank", type=int, default=8, help="candidates per head position the growth may use")
@@ -535,7 +550,8 @@ def main(argv=None) -> dict:
             sys.exit(f"tree_frontier: task {task} has {len(items)} prompts, --holdout {args.holdout} leaves none")
         cals[task], held[task] = [], []
         for i, prompt in enumerate(tqdm(items, desc=f"calibrate {task}", unit="prompt")):
-            cont = decode(ar, Drafter(), prompt["ids"], args.max_new_tokens, eos_token_ids=eos).tokens
+            cont = decode(ar, Drafter(), prompt["ids"], args.max_new_tokens, eos_token_ids=eos,
+                          **sampling(args, ar.device, i)).tokens
             cal = subject.calibrate(prompt["ids"] + cont, len(prompt["ids"]), task)
             if i < len(items) - args.holdout:
                 cals[task].append(cal)
@@ -571,7 +587,8 @@ def main(argv=None) -> dict:
 
     report = {"backbone": args.backbone, "method": args.method, **subject.settings, "k": k,
               "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
-              "blocks": args.blocks, "max_new_tokens": args.max_new_tokens, "costs_ms": {n: round(1e3 * v, 3) for n, v in costs.items()},
+              "blocks": args.blocks, "max_new_tokens": args.max_new_tokens,
+              "temperature": args.temperature, "top_p": args.top_p, "costs_ms": {n: round(1e3 * v, 3) for n, v in costs.items()},
               "tasks": {}, "command": "python eval/tree_frontier.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     bank_ids: set[int] = set()
     task_frontiers = {}
@@ -613,7 +630,7 @@ def main(argv=None) -> dict:
     if args.holdout:
         extra = sorted((t for i, t in enumerate(trees) if i not in bank_ids), key=lambda t: t.num_nodes)
         checked = bank + extra[: max(0, args.check_trees - len(bank))]
-        report["check"] = check(subject, checked, held)
+        report["check"] = check(subject, checked, held, args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(report, indent=1) + "\n")
@@ -684,9 +701,22 @@ def _lean(model):
     return to_inference(copy.deepcopy(model))
 
 
-def check(subject: Subject, bank: list[Topology], held) -> dict:
-    """Every bank tree decoded on the held-out prompts (greedy, outputs checked against AR):
-    decoded tau against the simulated tau on the same prompts."""
+def sampling(args, device, i: int, offset: int = 0) -> dict:
+    """decode()'s sampling arguments for prompt i: none when greedy; else --temperature / --top-p
+    and a generator seeded --seed + offset + i."""
+    if not args.temperature:
+        return {}
+    return {"temperature": args.temperature, "top_p": args.top_p,
+            "generator": torch.Generator(device).manual_seed(args.seed + offset + i)}
+
+
+def check(subject: Subject, bank: list[Topology], held, args) -> dict:
+    """Every bank tree decoded on the held-out prompts, its decoded tau against the simulated tau
+    on the same prompts. Greedy: outputs checked against AR. Under sampling (--temperature):
+    the simulated tau is the rollout of the calibration's own sampled continuation (another draw
+    from the same distribution); and the replay: the rollout of a calibration on the decoder's
+    own output must take exactly the decoder's steps (a tree's drafts are one-hot, so a node is
+    accepted iff the sampled token is its token: the steps are a function of the output)."""
     import tempfile
 
     rows = []
@@ -696,32 +726,42 @@ def check(subject: Subject, bank: list[Topology], held) -> dict:
         for i, tree in enumerate(tqdm(bank, desc="check", unit="tree")):
             drafter, target = subject.drafter(str(bank_file), i)
             tokens = calls = 0
-            sim_cals, differ = [], []
-            for items in held.values():
-                for prompt, cal, cont in items:
-                    got = decode(target, drafter, prompt["ids"], cal.n)
-                    if got.tokens != cont[: cal.n]:  # reported, not fatal: a GPU's low-precision ties may flip
-                        differ.append(prompt["id"])
-                        print(f"WARNING: tree {tree.name}: decoded output differs from AR on {prompt['id']}",
-                              file=sys.stderr)
-                    tokens += len(got.tokens)
-                    calls += got.target_calls
-                    sim_cals.append(cal)
+            sim_cals, replay_cals, differ = [], [], []
+            for j, (prompt, cal, cont) in enumerate(p for items in held.values() for p in items):
+                got = decode(target, drafter, prompt["ids"], cal.n, **sampling(args, target.device, j, offset=10_000))
+                if args.temperature:
+                    replay_cals.append(subject.calibrate(prompt["ids"] + got.tokens, len(prompt["ids"]), cal.task))
+                elif got.tokens != cont[: cal.n]:  # reported, not fatal: a GPU's low-precision ties may flip
+                    differ.append(prompt["id"])
+                    print(f"WARNING: tree {tree.name}: decoded output differs from AR on {prompt['id']}",
+                          file=sys.stderr)
+                tokens += len(got.tokens)
+                calls += got.target_calls
+                sim_cals.append(cal)
             sim = rollout(sim_cals, [tree], subject.k)
             decoded = tokens / calls
-            rows.append({"tree": i, "name": tree.name, "nodes": tree.num_nodes, "decoded_tau": round(decoded, 4),
-                         "sim_tau": round(sim.tau, 4), "error": round(sim.tau / decoded - 1, 4),
-                         "differs_from_ar": differ})
+            row = {"tree": i, "name": tree.name, "nodes": tree.num_nodes, "decoded_tau": round(decoded, 4),
+                   "sim_tau": round(sim.tau, 4), "error": round(sim.tau / decoded - 1, 4),
+                   "differs_from_ar": differ}
+            if args.temperature:
+                replay = rollout(replay_cals, [tree], subject.k)
+                row["replay_steps"], row["decoded_steps"] = replay.steps, calls
+            rows.append(row)
     worst = max(abs(r["error"]) for r in rows)
-    return {"prompts": sum(len(v) for v in held.values()), "trees": rows, "max_abs_error": worst,
-            "matches_ar": not any(r["differs_from_ar"] for r in rows)}
+    out = {"prompts": sum(len(v) for v in held.values()), "trees": rows, "max_abs_error": worst,
+           "matches_ar": not any(r["differs_from_ar"] for r in rows)}
+    if args.temperature:
+        out["replay_exact"] = all(r["replay_steps"] == r["decoded_steps"] for r in rows)
+    return out
 
 
 def markdown(report: dict) -> str:
+    decoding = (f"speculative sampling at T = {report['temperature']}, top-p {report['top_p']}"
+                if report.get("temperature") else "greedy decoding")
     head = "sampler head" if report["sampler"] else "base head" if report["method"] == "gated_lora" else "mask logits"
     lines = [f"Draft trees of {report['head']} on {report['backbone']} (k = {report['k']}, "
              f"{head}, blocks = {report['blocks']}, as many masks "
-             f"per block as the tree has levels); simulated greedy decoding, step costs measured on "
+             f"per block as the tree has levels); simulated {decoding}, step costs measured on "
              f"{report.get('device', 'cpu')} in {report.get('dtype', 'float32')} (ms: AR "
              f"{report['costs_ms']['ar']}, prefill {report['costs_ms']['prefill']})", "",
              "Per-step cost of a tree switch (median us): choosing the tree {choose_tree_us}, its attention mask from "
@@ -741,7 +781,10 @@ def markdown(report: dict) -> str:
     if "check" in report:
         c = report["check"]
         same = "outputs identical to AR" if c.get("matches_ar", True) else "SOME OUTPUTS DIFFER FROM AR"
-        lines += [f"Simulator check on {c['prompts']} held-out prompts (greedy, {same}): "
+        if report.get("temperature"):
+            same = (f"sampled at T = {report['temperature']}; simulated on other draws; the replay of the decoder's "
+                    f"own outputs takes {'exactly its steps' if c['replay_exact'] else 'OTHER STEPS than it'}")
+        lines += [f"Simulator check on {c['prompts']} held-out prompts ({'' if report.get('temperature') else 'greedy, '}{same}): "
                   f"max |error| {100 * c['max_abs_error']:.1f}%", "",
                   "| tree | nodes | decoded tau | simulated tau | error | differs from AR |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['name']} | {r['nodes']} | {r['decoded_tau']:.3f} | {r['sim_tau']:.3f} | {100 * r['error']:+.1f}% "

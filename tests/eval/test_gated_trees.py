@@ -119,6 +119,32 @@ def test_schedules_switch_trees_exactly_as_simulated(small, tmp_path, kind, devi
 
 
 @pytest.mark.parametrize("temperature,sampler", [(1.0, True), (0.7, False)])
+def test_under_sampling_the_rollout_of_the_output_takes_the_decoders_steps(small, tmp_path, temperature, sampler):
+    """A tree's drafts are one-hot, so speculative sampling accepts a node iff the sampled token is
+    the node's: the steps are a function of the output, and the simulator's rollout of a
+    calibration on the decoder's own sampled output takes exactly the decoder's steps."""
+    head = close_head(small)
+    tree = Topology(BRANCHY)
+    drafter = GatedLoRADrafter(GatedLoRADraftConfig(tree=_bank(tmp_path, [tree]), sampler=sampler), model=head)
+    target = Target(*drafter.adapt(None, {}))
+    cals, calls, accepted, outputs = [], 0, [0, 0], set()
+    for seed in range(3):
+        for i, prompt in enumerate(PROMPTS):
+            got = decode(target, drafter, prompt, 20, temperature=temperature,
+                         generator=torch.Generator().manual_seed(100 * seed + i))
+            calls += got.target_calls
+            for d, n in enumerate(got.accept_counts[:2]):
+                accepted[d] += n
+            outputs.add(tuple(got.tokens))
+            cals.append(tf.calibrate(head, prompt + got.tokens, len(prompt), "t", sampler, max_rank=4))
+    assert accepted[0] > 20 and accepted[1] > 5, accepted
+    greedy = [decode(Target(small), Drafter(), prompt, 20).tokens for prompt in PROMPTS]
+    assert len(outputs) > len(PROMPTS) and not outputs <= {tuple(g) for g in greedy}  # truly sampled
+    sim = tf.rollout(cals, [tree], k=2)
+    assert (sim.steps, sim.tokens) == (calls, 20 * len(cals))
+
+
+@pytest.mark.parametrize("temperature,sampler", [(1.0, True), (0.7, False)])
 def test_sampling_with_a_tree_is_exact(small, tmp_path, temperature, sampler):
     """Speculative sampling over a branching tree of top-ranked drafts: the first 3 tokens follow
     the target's joint, and drafts were accepted at depth 1 and 2."""
@@ -203,3 +229,23 @@ def test_tree_frontier_and_bench_end_to_end(tmp_path):
     assert json.loads(results.read_text())["methods"][spec]["matches_ar"] is True
     with pytest.raises(SystemExit):
         tf.main(["--head", "x", "--data", "builtin:eval", "--out", "bank.txt"])
+
+
+def test_tree_frontier_under_sampling(tmp_path):
+    """--temperature: calibration on the target's samples, the check decodes with sampling and
+    replays the decoder's own outputs, which take exactly its steps; the table says so."""
+    import copy
+
+    from mtpkit.models.backbone import load_backbone
+    from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP, save_head
+
+    base, _ = load_backbone("tiny-llama-random")
+    save_head(GatedMTP(copy.deepcopy(base), GatedLoRAConfig(k=2, rank=4)), tmp_path / "head", "tiny-llama-random")
+    out = tmp_path / "bank.json"
+    tf.main(["--backbone", "tiny-llama-random", "--head", str(tmp_path / "head"), "--data", "builtin:eval",
+             "--per-category", "2", "--holdout", "1", "--max-new-tokens", "10", "--budgets", "1,2", "--rounds", "2",
+             "--temperature", "0.8", "--seed", "3", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["temperature"] == 0.8 and saved["check"]["replay_exact"]
+    assert all(r["replay_steps"] == r["decoded_steps"] > 4 for r in saved["check"]["trees"])
+    assert "speculative sampling at T = 0.8" in out.with_suffix(".md").read_text()
