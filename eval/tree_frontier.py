@@ -1,4 +1,5 @@
-"""Draft trees for a mask-token drafter (a gated-LoRA head, or the training-free probe), chosen
+"""Draft trees for a mask-token drafter (a gated-LoRA head, or the training-free probe) or an MTPC
+circuit head, chosen
 before serving: an acceptance simulator, the tau / tokens-per-second frontier per task, a bank of
 non-dominated trees and calibrated schedules for the run-time policies (after "EntMTP: Accelerating LLM Inference with Entropy Guided
 Multi Token Prediction", Chen: greedy tree growth, one-step scoring, re-scoring on the tree's own
@@ -15,14 +16,20 @@ rollout, a throughput frontier, static / ladder / hysteresis schedules).
    head's W z_d, or the sampler's W MLP([E(x[t+d]); z_d]) given the true parent), the target's
    top-1 probability at t and the base head's top-1 probability at every mask (the path value's
    factors). `--method probe`: the same pass on the plain target with the probe's synthesised
-   mask embeddings (`calibrate_probe`).
+   mask embeddings (`calibrate_probe`). `--method mtpc`: the circuit of every position's state
+   over its window, the rank of each true byte in the exact conditional given the true bytes
+   before it, and the top-1 conditionals along the circuit's own top-1 chain (`calibrate_mtpc`).
 2. Simulation (greedy decoding): a step whose draft comes from the block after position t
    accepts the longest path of the tree whose ranks equal the true tokens' ranks; it yields that
    many tokens plus the bonus and moves to the deepest accepted node, whose own block (if the
    topology gives it one) drafts the next step; without one the next step drafts nothing. So the
    rollout of a tree (or a schedule switching trees by the path value) is decoding replayed, with
    the same steps as `mtpkit.models.gated_lora.drafter` takes, exact up to floating-point ties
-   of the ranks (the check in 5 measures it).
+   of the ranks (the check in 5 measures it). MTPC moves on by its Algorithm 2 (`cycle=alg2`):
+   no mask blocks; after an accepted draft the bonus is dropped and the last accepted byte's
+   state drafts next; after a rejection the bonus is kept and a one-byte forward computes its
+   state (a step without tokens). MTPC is simulated greedy only: its sampled tree drafts are
+   draws without replacement, not one-hot.
    Under speculative sampling (`--temperature`) the same rollout holds: a tree's drafts are
    one-hot (the head's top-ranked tokens), so the verifier's recursive rejection accepts a node
    iff the token it samples is that node's token, and the output follows the target's
@@ -101,6 +108,9 @@ class Calibration:
     ranks: torch.Tensor       # [n, k] long
     target_top1: torch.Tensor  # [n]
     head_top1: torch.Tensor    # [n, k]
+    cycle: str = "block"
+    """how decoding moves on: "block" (a mask-token drafter: the block after the deepest accepted
+    node drafts the next tree) or "alg2" (MTPC, `calibrate_mtpc`)"""
 
 
 @torch.no_grad()
@@ -186,6 +196,46 @@ def calibrate_probe(target: Target, drafter, ids: list[int], prompt_len: int, ta
     return Calibration(task, prompt_len, n, ranks, target_top1.cpu(), head_top1)
 
 
+@torch.no_grad()
+def calibrate_mtpc(model, target: Target, ids: list[int], prompt_len: int, task: str, depth: int, max_rank: int,
+                   chunk: int = 64) -> Calibration:
+    """The pass of step 1 for an MTPC head (`mtpkit.models.mtpc`, greedy decoding, `cycle=alg2`):
+    for anchor j (position t = P - 1 + j) the circuit of e_t (`MTPCModel.features`: the final
+    state, or the draft layers') over its window; ranks[j, d-1] = the rank of the true byte
+    x[t+d] in the circuit's exact conditional given the true bytes x[t+1..t+d-1] (ties as the
+    drafter's stable sort breaks them: the lower byte first), head_top1[j, d-1] = the circuit's
+    top-1 conditional probability at position d along its own top-1 chain (the drafter's
+    `chain_value`), target_top1[j] = the target's top-1 probability at t."""
+    from mtpkit.models.mtpc.circuits import next_log_probs_posterior
+    from mtpkit.models.mtpc.drafter import chain_log_top1
+
+    device = target.device
+    x = torch.tensor(ids, device=device)[None]
+    n, P = len(ids) - prompt_len, prompt_len
+    e = model.features(x)[0, P - 1: P - 1 + n]  # [n, d]
+    target_top1 = torch.softmax(target.lm_head(target.body(input_ids=x).last_hidden_state[0, P - 1: P - 1 + n]).float(),
+                                -1).amax(-1).cpu()
+    span = model.cfg.n
+    ranks = torch.full((n, depth), MISS, dtype=torch.long)
+    head_top1 = torch.zeros(n, depth)
+    padded = torch.cat([x[0], x.new_zeros(span)])
+    for s in range(0, n, chunk):
+        rows = torch.arange(s, min(s + chunk, n), device=device)
+        params = model.head(e[rows])
+        truth = torch.stack([padded[P + j: P + j + span] for j in rows.tolist()])  # [B, span]: x[t+1..t+span]
+        for d in range(1, depth + 1):
+            log_q = next_log_probs_posterior(params, truth, d - 1)  # [B, V]
+            y = truth[:, d - 1]
+            at = log_q.gather(1, y[:, None])
+            vocab = torch.arange(log_q.shape[-1], device=device)[None]
+            r = ((log_q > at) | ((log_q == at) & (vocab < y[:, None]))).sum(-1)
+            valid = rows + d <= n  # x[t+d] is a generated byte
+            ranks[rows.cpu(), d - 1] = torch.where(valid & (r < max_rank), r, torch.full_like(r, MISS)).cpu()
+        chain = torch.zeros(len(rows), span, dtype=torch.long, device=device)
+        head_top1[rows.cpu()] = chain_log_top1(params, chain, 0, depth).exp().float().cpu()
+    return Calibration(task, prompt_len, n, ranks, target_top1, head_top1, cycle="alg2")
+
+
 def accept_length(topology: Topology, ranks: list[int]) -> int:
     """Drafts a greedy verifier accepts from `topology` when the true tokens have `ranks`."""
     path, depth = (), 0
@@ -206,7 +256,7 @@ class Rollout:
     anchors: list[tuple[int, int]]  # (calibration index, anchor j) of each drafted step
     accepted: list[int]             # drafts accepted at each drafted step
     trees_used: list[int | None]
-    block: int  # masks per block: the depth of the deepest tree in use
+    block: int  # masks per block: the depth of the deepest tree in use (0: MTPC, no masks)
 
     @property
     def tau(self) -> float:
@@ -227,10 +277,30 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
         raise ValueError(f"a tree of depth {depth} needs more than the head's k={k} masks")
     steps = tokens = 0
     anchors, accepted, used = [], [], []
+    block = 0 if any(cal.cycle == "alg2" for cal in cals) else depth  # MTPC: no mask blocks (`NAME@0`)
     for c, cal in enumerate(cals):
         ranks = cal.ranks.tolist()
-        steps, tokens, gen, j, has = steps + 1, tokens + min(1, cal.n), 1, 0, True  # prefill: the bonus
         position = schedule.start()
+        if cal.cycle == "alg2":
+            steps, gen, j = steps + 1, 0, 0  # the prompt's forward: its bonus dropped, its last state drafts
+            while gen < cal.n:
+                if schedule.kind != "static":
+                    position = schedule.next(position, path_value(cal, j, depth))
+                tree = trees[schedule.trees[position]]
+                L = accept_length(tree, ranks[j])
+                anchors.append((c, j))
+                accepted.append(L)
+                used.append(schedule.trees[position])
+                steps += 1
+                new = max(L, 1)  # accepted bytes (the bonus dropped), or the bonus alone
+                tokens += min(new, cal.n - gen)
+                gen += new
+                j += new
+                if L == 0 and gen < cal.n:  # the kept bonus's state: a one-byte forward, no tokens
+                    steps += 1
+                    used.append(None)
+            continue
+        steps, tokens, gen, j, has = steps + 1, tokens + min(1, cal.n), 1, 0, True  # prefill: the bonus
         while gen < cal.n:
             if has:
                 if schedule.kind != "static":
@@ -249,7 +319,7 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
             gen += L + 1
             tokens += new
             j += L + 1
-    return Rollout(steps, tokens, anchors, accepted, used, depth)
+    return Rollout(steps, tokens, anchors, accepted, used, block)
 
 
 def grow(cals: list[Calibration], k: int, max_nodes: int, max_rank: int, blocks: str) -> list[Topology]:
@@ -298,10 +368,11 @@ def device_clock(device: torch.device) -> Callable[[], float]:
 
 @torch.no_grad()
 def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: int, cache_len: int,
-               rounds: int, candidates: Callable | None = None) -> dict:
+               rounds: int, candidates: Callable | None = None, with_masks: bool = True) -> dict:
     """Median seconds of one verifier forward of every topology with blocks of every size from
     its depth to k (`NAME@B`), of the empty step (`none@B`), AR's 1-row step (`ar`) and the
-    prefill, interleaved over `rounds` rounds on a `cache_len` cache. With `candidates` (the
+    prefill, interleaved over `rounds` rounds on a `cache_len` cache. `with_masks=False` (MTPC): no
+    mask blocks, the steps `NAME@0` and `none@0` (one row: a kept bonus's state). With `candidates` (the
     drafter's `candidates(step, rows, compiled)`), also the drafting of each tree from a block of
     that forward's outputs (`draft:NAME@B`: top-k reads, sampler calls, LM-head rows the forward
     did not compute)."""
@@ -318,10 +389,10 @@ def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: i
 
     def shapes():
         yield "ar", [-1], 0, None
-        for block in range(1, k + 1):
+        for block in range(1, k + 1) if with_masks else [0]:
             yield f"none@{block}", [-1] + list(range(block)), block, None
         for t in topologies:
-            for block in range(max(t.depth, 1), k + 1):
+            for block in range(max(t.depth, 1), k + 1) if with_masks else [0]:
                 c = compile_topology(t, block)
                 yield f"{t.name}@{block}", list(c.full_parents), len(c.full_parents) - 1 - t.num_nodes, c
 
@@ -355,7 +426,7 @@ def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: i
 
     def prefill():
         cache = DynamicCache(config=target.config)
-        ids = torch.randint(0, vocab, (prompt_len + k,), device=target.device)[None]
+        ids = torch.randint(0, vocab, (prompt_len + (k if with_masks else 0),), device=target.device)[None]
         t0 = clock()
         target.body(input_ids=ids, past_key_values=cache, use_cache=True)
         return clock() - t0
@@ -471,15 +542,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backbone", default=DEFAULT_BACKBONE, help="the target model (default: %(default)s)")
     p.add_argument("--method", default="gated_lora", choices=sorted(SUBJECTS),
-                   help="the drafter whose trees are searched: gated_lora (a trained head, --head) or probe (the "
-                        "training-free mask-token probe, --masks / --init / --lam)")
-    p.add_argument("--head", default="", help="gated_lora: the head folder (train/export.py output)")
+                   help="the drafter whose trees are searched: gated_lora (a trained head, --head), probe (the "
+                        "training-free mask-token probe, --masks / --init / --lam) or mtpc (a circuit head on a byte "
+                        "backbone, --head, --max-depth; greedy only)")
+    p.add_argument("--head", default="", help="gated_lora, mtpc: the head folder (train/export.py output)")
     p.add_argument("--sampler", type=int, default=1, choices=[0, 1],
                    help="gated_lora: rank candidates by the sampler head (1, as the drafter's default) or the base head (0)")
     p.add_argument("--masks", type=int, default=0,
                    help="probe: masks per block, the deepest a tree may grow (default 3)")
     p.add_argument("--init", default="mean", help="probe: mask embedding init, mean | hard | sample (default: %(default)s)")
     p.add_argument("--lam", type=float, default=0.1, help="probe: mask update rate lambda (default: %(default)s)")
+    p.add_argument("--max-depth", type=int, default=0,
+                   help="mtpc: the deepest a tree may grow (default: min(8, the head's window n))")
     p.add_argument("--data", nargs="+", required=True,
                    help="prompt sources as in eval/bench.py; every category (a file's name or the record's "
                         "`category`) is a task with its own frontier and schedules")
@@ -583,7 +657,7 @@ def main(argv=None) -> dict:
 
     target = subject.target
     mean_prompt = round(statistics.mean(c.prompt_len for cs in cals.values() for c in cs))
-    costs = step_costs(target, trees, k, mean_prompt, args.cache_len, args.rounds, subject.candidates)
+    costs = step_costs(target, trees, k, mean_prompt, args.cache_len, args.rounds, subject.candidates, subject.masks)
 
     report = {"backbone": args.backbone, "method": args.method, **subject.settings, "k": k,
               "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
@@ -598,7 +672,7 @@ def main(argv=None) -> dict:
         for i in candidates:
             sim = rollout(task_cals, trees, k, Schedule("static", [i]))
             rows.append({"tree": i, "name": trees[i].name, "nodes": trees[i].num_nodes,
-                         "rows": trees[i].rows(trees[i].depth), "depth": trees[i].depth,
+                         "rows": trees[i].rows(trees[i].depth if subject.masks else 0), "depth": trees[i].depth,
                          "sim_tau": round(sim.tau, 4),
                          "sim_tokens_per_s": round(tokens_per_s(sim, task_cals, costs, trees), 2)})
         ar_speed = sum(c.n for c in task_cals) / (len(task_cals) * costs["prefill"]
@@ -651,6 +725,8 @@ class Subject:
     candidates: Callable
     """the drafter's `candidates(step, rows, compiled)`: a tree's tokens from a mask block"""
     settings: dict
+    masks: bool = True
+    """whether a step carries mask blocks (False: MTPC, whose next tree comes from the last state)"""
 
 
 def gated_subject(args, base) -> Subject:
@@ -691,7 +767,38 @@ def probe_subject(args, base) -> Subject:
                    {"head": f"probe (init {args.init}, lambda {args.lam})", "sampler": False})
 
 
-SUBJECTS = {"gated_lora": gated_subject, "probe": probe_subject}
+def mtpc_subject(args, base) -> Subject:
+    from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter, draft_tree, tree_levels
+    from mtpkit.models.mtpc.head import load_head as load_mtpc_head
+
+    if not args.head:
+        sys.exit("tree_frontier: --method mtpc needs --head DIR (an MTPC head folder)")
+    if args.temperature:
+        sys.exit("tree_frontier: --method mtpc simulates greedy decoding only (--temperature 0): its sampled "
+                 "tree drafts are draws without replacement, not one-hot, so the steps are not a function of the output")
+    model = load_mtpc_head(args.head, base).to(base.device).eval()
+    depth = args.max_depth or min(8, model.cfg.n)
+    if not 0 < depth <= model.cfg.n:
+        sys.exit(f"tree_frontier: --max-depth {depth}: the head's window is {model.cfg.n}")
+    target = Target(base)
+    levels: dict[str, list] = {}
+
+    def drafter(bank: str, index: int):
+        return MTPCDrafter(MTPCDraftConfig(tree=bank, index=index), model=model), target
+
+    def candidates(step, rows, compiled):  # the drafter's greedy tree drafting from the root's state
+        tree = compiled.topology
+        if tree.name not in levels:  # built once per tree by the drafter as well
+            levels[tree.name] = tree_levels(tree, target.device)
+        params = model.head(step.hidden[0][None])
+        return draft_tree(params, model.cfg.n, [], tree, levels[tree.name], target.device)[0].tolist()
+
+    return Subject(depth, lambda ids, P, task: calibrate_mtpc(model, target, ids, P, task, depth, args.max_rank),
+                   target, drafter, candidates, {"head": args.head, "sampler": False, "arch": model.cfg.arch},
+                   masks=False)
+
+
+SUBJECTS = {"gated_lora": gated_subject, "probe": probe_subject, "mtpc": mtpc_subject}
 
 
 def _lean(model):
@@ -758,10 +865,12 @@ def check(subject: Subject, bank: list[Topology], held, args) -> dict:
 def markdown(report: dict) -> str:
     decoding = (f"speculative sampling at T = {report['temperature']}, top-p {report['top_p']}"
                 if report.get("temperature") else "greedy decoding")
-    head = "sampler head" if report["sampler"] else "base head" if report["method"] == "gated_lora" else "mask logits"
+    head = {"gated_lora": "sampler head" if report["sampler"] else "base head", "probe": "mask logits",
+            "mtpc": "the circuit's exact conditionals"}[report["method"]]
+    shape = ("trees at most k bytes deep, no mask blocks, Algorithm 2's cycle" if report["method"] == "mtpc" else
+             f"blocks = {report['blocks']}, as many masks per block as the tree has levels")
     lines = [f"Draft trees of {report['head']} on {report['backbone']} (k = {report['k']}, "
-             f"{head}, blocks = {report['blocks']}, as many masks "
-             f"per block as the tree has levels); simulated {decoding}, step costs measured on "
+             f"{head}, {shape}); simulated {decoding}, step costs measured on "
              f"{report.get('device', 'cpu')} in {report.get('dtype', 'float32')} (ms: AR "
              f"{report['costs_ms']['ar']}, prefill {report['costs_ms']['prefill']})", "",
              "Per-step cost of a tree switch (median us): choosing the tree {choose_tree_us}, its attention mask from "

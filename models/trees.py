@@ -187,7 +187,7 @@ def mask_blocks(nodes, first: int, k: int) -> tuple[list[int], dict[int, list[in
     for j, node in enumerate(nodes):
         start = first + j * k
         block_rows[node] = list(range(start, start + k))
-        extra_parents += [node] + list(range(start, start + k - 1))
+        extra_parents += [node] + list(range(start, start + k - 1)) if k else []
     return extra_parents, block_rows
 
 
@@ -286,7 +286,8 @@ def load_bank(spec: str, task: str | None = None) -> tuple[list[Topology], dict[
 
 @dataclass
 class TreeOptions:
-    """Draft-tree options of the mask-token drafters (`MaskTreeDrafting`)."""
+    """Draft-tree options of the mask-token drafters (`MaskTreeDrafting`) and of MTPC
+    (`mtpkit.models.mtpc.drafter`, which words `tree` for its circuit)."""
     tree: str = ""
     """draft a TREE instead of the drafter's own drafts: a bank file written by
     eval/tree_frontier.py, a JSON list of rank paths such as [[0],[1],[0,0]] (inline or in a

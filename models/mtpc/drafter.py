@@ -56,10 +56,18 @@ lower-ranked sibling in the tree (paths [[1]]) is still the r-th draw, verified 
 earlier draws (exact: they are the drafter's own randomness). Under sampling the bonus is
 dropped (`cycle=alg2`) only when the whole depth was accepted: the last accepted node is then a
 leaf, whose bonus is a plain sample of p. `verify=path` and `greedy=mode` do not apply to trees.
+
+Tree schedules (`tree=bank.json,schedule=ladder|hyst,task=T`, a bank written by
+`eval/tree_frontier.py --method mtpc`): before each draft the schedule picks a tree of the bank
+by the path value, the target's top-1 probability at the newest byte with a state (read off the
+verifier's logits) times the circuit's top-1 conditional probabilities along its own top-1 chain
+as deep as the deepest scheduled tree (one host read per step; static schedules compute none).
+Every scheduled tree's levels are built once per device, so a switch is a lookup.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +79,7 @@ from mtpkit.models.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.mtpc.decode import LazyBTree, decode_window
 from mtpkit.models.mtpc.head import load_head
 from mtpkit.models.mtpc.model import MTPCModel
-from mtpkit.models.trees import Topology, load_bank
+from mtpkit.models.trees import Schedule, Topology, TreeOptions, load_bank, tree_schedule
 
 CYCLES = ("alg2", "bonus")
 VERIFY = ("marginal", "path")
@@ -79,7 +87,7 @@ UNIT_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "int8": torch.int8} 
 
 
 @dataclass
-class MTPCDraftConfig:
+class MTPCDraftConfig(TreeOptions):
     head: str = ""
     """head folder (train/export.py output or a train/mtpc.py checkpoint-N/)"""
     n: int = 0
@@ -105,11 +113,10 @@ class MTPCDraftConfig:
     tree: str = ""
     """draft a TREE of rank paths instead of a chain: chainN, a JSON list of rank paths such as
     [[0],[1],[0,0]], or a .json file holding one such list or a bank written by
-    eval/tree_frontier.py (its tree `index`). Node (r_1..r_d) is the r_d-th most probable byte of the circuit's exact
-    conditional given its parent's path (greedy), or the r_d-th draw without replacement from it
-    (sampling: exact, see the module docstring). At most n deep (n - 1 with cycle=bonus); '' = chain"""
-    index: int = 0
-    """tree=a bank file: which of its trees to draft"""
+    eval/tree_frontier.py --method mtpc (its tree `index`, or its trees switched by `schedule`).
+    Node (r_1..r_d) is the r_d-th most probable byte of the circuit's exact conditional given its
+    parent's path (greedy), or the r_d-th draw without replacement from it (sampling: exact, see
+    the module docstring). At most n deep (n - 1 with cycle=bonus); '' = chain"""
     trust_remote_code: bool = False
     """let a cirkit head's config name a `module:function` that loading imports and runs as its
     circuit builder (only for heads whose code you trust)"""
@@ -128,18 +135,24 @@ class LazyConditionals:
         return self.rows[j]
 
 
-def load_tree(spec: str, index: int = 0) -> Topology:
-    """The draft tree `spec` names (`MTPCDraftConfig.tree`, read by `mtpkit.models.trees.load_bank`);
-    a ValueError naming `tree` otherwise."""
+def load_trees(options: TreeOptions) -> tuple[list[Topology], Schedule]:
+    """The draft trees `options.tree` names (read by `mtpkit.models.trees.load_bank`) and the
+    schedule over them (`options.schedule`, `task`, `index`); a ValueError naming `tree` otherwise."""
     try:
-        trees, _ = load_bank(spec.strip())
+        trees, schedules = load_bank(options.tree.strip(), options.task or None)
     except (ValueError, TypeError) as e:  # a JSONDecodeError is a ValueError; a path not a list: TypeError
-        raise ValueError(f"mtpc tree={spec!r}: {e}") from None
-    if not 0 <= index < len(trees):
-        raise ValueError(f"mtpc tree={spec!r} index={index}: the bank has {len(trees)} trees")
-    if not trees[index].num_nodes:
-        raise ValueError(f"mtpc tree={spec!r}: the tree is empty")
-    return trees[index]
+        raise ValueError(f"mtpc tree={options.tree!r}: {e}") from None
+    schedule = tree_schedule(options, schedules, len(trees), f"mtpc tree={options.tree!r}")
+    for i in schedule.trees:
+        if not trees[i].num_nodes:
+            raise ValueError(f"mtpc tree={options.tree!r}: tree {i} is empty")
+    return trees, schedule
+
+
+def load_tree(spec: str, index: int = 0) -> Topology:
+    """Tree `index` of the bank (or the one tree) `spec` names (`load_trees`)."""
+    trees, schedule = load_trees(TreeOptions(tree=spec, index=index))
+    return trees[schedule.trees[0]]
 
 
 def tree_levels(tree: Topology, device=None) -> list[tuple]:
@@ -165,6 +178,57 @@ def sibling_probs(q: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return rows / rows.sum(-1, keepdim=True).clamp_min(1e-30)
 
 
+def draft_tree(params, span: int, given: list[int], tree: Topology, levels: list[tuple], device,
+               gen: torch.Generator | None = None):
+    """(tokens [N], draft_probs [N, V] or None) of `tree`'s nodes up to depth len(levels) from the
+    circuit `params` (batch 1, `span` positions) after the kept bytes `given`, depth by depth: one batched
+    conditional query over the depth's parents, then each child's byte is the rank-th of the
+    parent's conditional (greedy, `gen` None) or its rank-th Gumbel top-k draw from `gen`, i.e.
+    without replacement (sampling, with `sibling_probs` as its draft_probs row)."""
+    m = len(given)
+    N = sum(d <= len(levels) for d in tree.depths)  # paths sort by depth: the first N nodes
+    prefix = torch.zeros(N + 1, span, dtype=torch.long, device=device)  # [N + 1, span]: row j = node j's path
+    prefix[:, :m] = torch.tensor(given, dtype=torch.long, device=device)
+    tokens = torch.zeros(N, dtype=torch.long, device=device)
+    probs = None
+    for d, (nodes, parents, index, ranks, k) in enumerate(levels, start=1):
+        i = m + d - 1
+        batch = params.index(torch.zeros(len(parents), dtype=torch.long, device=device))
+        log_q = next_log_probs_posterior(batch, prefix[parents], i)  # [P, V]: q(x_i | each parent's path)
+        if gen is not None:  # Gumbel top-k: k draws without replacement, in order
+            u = torch.rand(log_q.shape, generator=gen, device=log_q.device, dtype=log_q.dtype)
+            order = (log_q - (-u.clamp_min(1e-20).log()).log()).topk(k, -1).indices  # [P, k]
+            if probs is None:
+                probs = torch.zeros(N, log_q.shape[-1], dtype=log_q.dtype, device=log_q.device)
+            probs[nodes - 1] = sibling_probs(log_q.exp(), order)[index, ranks]
+        else:  # ties as argmax breaks them (stable: the lower byte first)
+            order = log_q.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        tokens[nodes - 1] = order[index, ranks]
+        prefix[nodes] = prefix[parents[index]]
+        prefix[nodes, i] = tokens[nodes - 1]
+    return tokens, probs
+
+
+def chain_log_top1(params, prefix: torch.Tensor, first: int, depth: int) -> torch.Tensor:
+    """[B, depth]: log of the circuit's top-1 conditional probability at positions first ..
+    first + depth - 1 along its own top-1 chain, after the bytes prefix[:, :first] (`params` and
+    `prefix` [B, span] batched alike; `prefix` is overwritten from `first` on by the chain)."""
+    out = []
+    for i in range(first, first + depth):
+        top = next_log_probs_posterior(params, prefix, i).max(-1)
+        out.append(top.values)
+        prefix[:, i] = top.indices
+    return torch.stack(out, -1) if out else prefix.new_zeros(prefix.shape[0], 0, dtype=torch.float)
+
+
+def chain_value(params, span: int, given: list[int], depth: int, device) -> float:
+    """The head's factor of the path value: the product of its top-1 conditional probabilities
+    along its top-1 chain of `depth` bytes after `given` (one host read)."""
+    prefix = torch.zeros(1, span, dtype=torch.long, device=device)
+    prefix[0, : len(given)] = torch.tensor(given, dtype=torch.long, device=device)
+    return float(chain_log_top1(params, prefix, len(given), depth).sum().exp())
+
+
 class MTPCDrafter(Drafter):
     name = "mtpc"
 
@@ -179,7 +243,9 @@ class MTPCDrafter(Drafter):
             raise ValueError(f"mtpc units must be one of {tuple(UNIT_DTYPES)}, got {config.units!r}")
         if config.verify not in VERIFY:
             raise ValueError(f"mtpc verify must be one of {VERIFY}, got {config.verify!r}")
-        self.tree = load_tree(config.tree, config.index) if config.tree else None
+        self.trees, self.schedule = load_trees(config) if config.tree else (None, None)
+        self.tree = None if self.trees is None else self.trees[self.schedule.trees[0]]  # the tree in use
+        self.tree_log = open(config.log, "a", buffering=1) if config.tree and config.log else None
         if self.tree is not None and config.verify == "path":
             raise ValueError(f"mtpc tree={config.tree!r}: verify=path applies to chain drafts only (a tree's "
                              "bytes are drawn from the prefix conditionals and verified with them)")
@@ -197,8 +263,9 @@ class MTPCDrafter(Drafter):
             raise ValueError(f"mtpc n={self.config.n}: the head's window is {n}")
         if self.tree is not None:  # the kept bonus (cycle=bonus: always one) takes a window position
             window = (self.config.n or n) - (self.config.cycle == "bonus")
-            if self.tree.depth > window:
-                raise ValueError(f"mtpc tree={self.config.tree!r}: depth {self.tree.depth} does not fit the window "
+            depth = max(self.trees[i].depth for i in self.schedule.trees)
+            if depth > window:
+                raise ValueError(f"mtpc tree={self.config.tree!r}: depth {depth} does not fit the window "
                                  f"(n={self.config.n or n}, cycle={self.config.cycle}: at most {window} deep)")
         self.shared_layer = None if self.model.draft is None else self.model.draft.start
         self.model.eval()
@@ -235,8 +302,15 @@ class MTPCDrafter(Drafter):
         self.cache = DynamicCache() if self.model.draft is not None else None
         self.cached = 0        # positions the draft layers have processed
         self.draft_depth = 0   # depth of the draft in flight
-        if self.tree is not None and self.levels_device != self.device:
-            self.levels, self.levels_device = tree_levels(self.tree, self.device), self.device
+        if self.tree is not None:
+            if self.levels_device != self.device:  # each scheduled tree's levels, built once: a switch is a lookup
+                self.levels_of = {i: tree_levels(self.trees[i], self.device) for i in self.schedule.trees}
+                self.levels_device = self.device
+            self.position = self.schedule.start()  # index into schedule.trees
+            self.tree = self.trees[self.schedule.trees[self.position]]
+            self.levels = self.levels_of[self.schedule.trees[self.position]]
+            self.target_top1 = None  # the target's top-1 probability at the newest byte with a state
+            self.value = None        # the path value that chose the tree in flight
 
     def propose(self, tokens: list[int]) -> Draft:
         self.length, self.draft_depth = len(tokens), 0
@@ -272,40 +346,36 @@ class MTPCDrafter(Drafter):
         return params
 
     def _propose_tree(self, span: int) -> Draft:
-        """The draft tree cut to the window the kept bytes leave, depth by depth: one batched
-        conditional query over the depth's parents, then each child's byte is the rank-th of the
-        parent's conditional (greedy) or its rank-th Gumbel top-k draw, i.e. without replacement
-        (sampling, with `sibling_probs` as its draft_probs row)."""
+        """The draft tree cut to the window the kept bytes leave (`draft_tree`); with a ladder or
+        hyst schedule, the tree is first chosen by the path value (`chain_value`)."""
         m = len(self.given)
-        depth = min(self.tree.depth, self.n - m)
-        N = sum(d <= depth for d in self.tree.depths)  # paths sort by depth: the first N nodes
+        deepest = max(self.trees[i].depth for i in self.schedule.trees)
         if self.sampling:
             params, units = decode_window(self.model.head, self.e, span, UNIT_DTYPES[self.config.units])
             if units is not None:  # the conditionals read the units of positions < m + depth
-                units.upto(m + depth)
+                units.upto(m + min(deepest, self.n - m))
         else:
             params = self._head_params(span)
-        prefix = torch.zeros(N + 1, span, dtype=torch.long, device=self.device)  # [N + 1, span]: row j = node j's path
-        prefix[:, :m] = torch.tensor(self.given, dtype=torch.long, device=self.device)
-        tokens = torch.zeros(N, dtype=torch.long, device=self.device)
-        probs = None
-        for d, (nodes, parents, index, ranks, k) in enumerate(self.levels[:depth], start=1):
-            i = m + d - 1
-            batch = params.index(torch.zeros(len(parents), dtype=torch.long, device=self.device))
-            log_q = next_log_probs_posterior(batch, prefix[parents], i)  # [P, V]: q(x_i | each parent's path)
-            if self.sampling:  # Gumbel top-k: k draws without replacement, in order
-                u = torch.rand(log_q.shape, generator=self.gen, device=log_q.device, dtype=log_q.dtype)
-                order = (log_q - (-u.clamp_min(1e-20).log()).log()).topk(k, -1).indices  # [P, k]
-                if probs is None:
-                    probs = torch.zeros(N, log_q.shape[-1], dtype=log_q.dtype, device=log_q.device)
-                probs[nodes - 1] = sibling_probs(log_q.exp(), order)[index, ranks]
-            else:  # ties as argmax breaks them (stable: the lower byte first)
-                order = log_q.sort(dim=-1, descending=True, stable=True).indices[:, :k]
-            tokens[nodes - 1] = order[index, ranks]
-            prefix[nodes] = prefix[parents[index]]
-            prefix[nodes, i] = tokens[nodes - 1]
+        if self.schedule.kind != "static" and self.target_top1 is not None:
+            self.value = self.target_top1 * chain_value(params, span, self.given, min(deepest, self.n - m), self.device)
+            self.position = self.schedule.next(self.position, self.value)
+            index = self.schedule.trees[self.position]
+            self.tree, self.levels = self.trees[index], self.levels_of[index]
+        depth = min(self.tree.depth, self.n - m)
         self.draft_depth = depth
-        return Draft(tokens=tokens, parents=torch.tensor(self.tree.parents[:N]), draft_probs=probs)
+        tokens, probs = draft_tree(params, span, self.given, self.tree, self.levels[:depth], self.device,
+                                   self.gen if self.sampling else None)
+        return Draft(tokens=tokens, parents=torch.tensor(self.tree.parents[:len(tokens)]), draft_probs=probs)
+
+    def _observe_tree(self, step: StepOutput) -> None:
+        """The step's line in the tree log; for a ladder or hyst schedule, the target's top-1
+        probability at the last accepted node (the path value's first factor, one host read)."""
+        if self.tree_log is not None:
+            used = self.schedule.trees[self.position] if self.draft_depth else None
+            self.tree_log.write(json.dumps({"tree": used, "accepted": len(step.accepted),
+                                            "value": self.value if used is not None else None}) + "\n")
+        if self.schedule.kind != "static":
+            self.target_top1 = float(torch.softmax(step.logits([step.last_node]).float(), -1).max())
 
     def _sample(self, evidence, observed, span: int):
         """A window [span] drawn from the circuit of e given the kept bytes, and the function
@@ -336,6 +406,8 @@ class MTPCDrafter(Drafter):
         return window, log_conditional
 
     def observe(self, step: StepOutput) -> None:
+        if self.tree is not None:
+            self._observe_tree(step)
         kept_bonus = bool(step.new_tokens) and len(step.new_tokens) > len(step.accepted)
         if kept_bonus and self.config.cycle == "alg2" and not self.sampling:
             self.e, self.given = None, []   # the paper's branch: a state-only cycle comes next

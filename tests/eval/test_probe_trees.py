@@ -114,10 +114,11 @@ def test_probe_frontier_and_bench_end_to_end(tmp_path):
     assert json.loads(results.read_text())["methods"][spec]["matches_ar"] is True
 
 
-def test_tree_options_are_documented_for_both_mask_drafters():
-    """The options both drafters inherit from TreeOptions keep their docstrings in --help."""
+def test_tree_options_are_documented_for_every_tree_drafter():
+    """The options the tree drafters (gated LoRA, the probe, MTPC) inherit from TreeOptions keep
+    their docstrings in --help."""
     from mtpkit.eval.bench import methods_help
 
     text = methods_help()
-    assert text.count("schedule='static': static | ladder | hyst") == 2
-    assert text.count("log='': append one JSON line per verifier step") == 2
+    assert text.count("schedule='static': static | ladder | hyst") == 3
+    assert text.count("log='': append one JSON line per verifier step") == 3
