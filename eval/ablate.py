@@ -31,6 +31,11 @@ with the same budget, bench them all in one interleaved run, measure the base mo
    figures: sampler, LCM, gated vs plain LoRA, linear vs quadratic, k; each row's tau, tokens/s,
    speed-up vs AR from the bench, and whether the paper's ordering holds in these numbers),
    OUT/ablation.png (tau per comparison). The table is printed too.
+6. Training curves, from each variant's metrics.jsonl: sim_tau at every evaluation (the
+   trainer's --eval-every) against the optimizer step and against the training seconds spent
+   until then (evaluations excluded), and each run's NTP tokens/s: a table in OUT/ablation.md and
+   OUT/curves.png (sim_tau vs step, sim_tau vs training seconds), e.g. the paper's step against
+   the cheaper one at equal sim_tau per step.
 
 `--detach` starts the same command in the background (own session, output to OUT/ablate.log),
 prints its PID and returns.
@@ -472,6 +477,86 @@ def markdown(report: dict, table: list[dict], results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def curves(out: Path, names: list[str]) -> dict[str, dict]:
+    """Per variant, from OUT/<variant>/metrics.jsonl (a resumed run's re-logged steps replace the
+    earlier lines): sim_tau at every evaluation with its step and the training seconds until
+    then (each log interval's NTP tokens over its NTP tokens/s: evaluations are not in them),
+    and the run's NTP tokens/s overall."""
+    result = {}
+    for name in names:
+        logged, evals = {}, {}
+        path = out / name / "metrics.jsonl"
+        for line in path.read_text().splitlines() if path.is_file() else []:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by an interruption
+                continue
+            if "sim_tau" in rec:
+                evals[rec["step"]] = rec["sim_tau"]
+            elif rec.get("ntp_tokens_per_s"):
+                logged[rec["step"]] = rec
+        seconds, tokens, at = 0.0, 0, {}
+        for step in sorted(logged):
+            rec = logged[step]
+            seconds += (rec["tokens_seen"] - tokens) / rec["ntp_tokens_per_s"]
+            tokens = rec["tokens_seen"]
+            at[step] = seconds
+        points = [{"step": step, "sim_tau": round(tau, 4),
+                   "train_seconds": round(max((v for k, v in at.items() if k <= step), default=0.0), 1)}
+                  for step, tau in sorted(evals.items())]
+        result[name] = {"points": points, "train_seconds": round(seconds, 1),
+                        "ntp_tokens_per_s": round(tokens / seconds, 2) if seconds else None}
+    return result
+
+
+def curves_markdown(runs: dict[str, dict]) -> list[str]:
+    names = [n for n, r in runs.items() if r["points"]]
+    if not names:
+        return []
+    first = runs[names[0]]
+    lines = ["", "## sim_tau during training", "",
+             "sim_tau (the trainer's evaluation) at each step, with the training seconds spent until then in "
+             "brackets (evaluations excluded); NTP tokens/s over the whole run.", "",
+             "| step | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    steps = sorted({p["step"] for n in names for p in runs[n]["points"]})
+    for step in steps:
+        cells = []
+        for n in names:
+            p = next((p for p in runs[n]["points"] if p["step"] == step), None)
+            cells.append("-" if p is None else f"{p['sim_tau']:.3f} ({p['train_seconds']:.0f} s)")
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    lines += ["", "| variant | NTP tokens/s | vs " + names[0] + " | training seconds |", "|---|---|---|---|"]
+    for n in names:
+        r = runs[n]
+        ratio = (r["ntp_tokens_per_s"] / first["ntp_tokens_per_s"]
+                 if r["ntp_tokens_per_s"] and first["ntp_tokens_per_s"] else None)
+        lines.append(f"| {n} | {fmt(r['ntp_tokens_per_s'], 1)} | {fmt(ratio)}x | {r['train_seconds']:.0f} |")
+    return lines
+
+
+def write_curves(runs: dict[str, dict], path: Path) -> None:
+    """sim_tau against the step and against the training seconds, one line per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, r in runs.items() if r["points"]]
+    if not names:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for n in names:
+        points = runs[n]["points"]
+        axes[0].plot([p["step"] for p in points], [p["sim_tau"] for p in points], marker="o", label=n)
+        axes[1].plot([p["train_seconds"] / 60 for p in points], [p["sim_tau"] for p in points], marker="o", label=n)
+    axes[0].set(xlabel="optimizer step", ylabel="sim_tau", title="per step")
+    axes[1].set(xlabel="training minutes (evaluations excluded)", ylabel="sim_tau", title="per second")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_plot(table: list[dict], results: dict, path: Path) -> None:
     """Bars of tau per comparison, one panel per group (plain LoRA in red: not lossless)."""
     import matplotlib
@@ -566,13 +651,15 @@ def main(argv=None) -> dict | None:
                                "gated": configs[n]["model"].get("gated", True), "settings": configs[n]}
                            for n in args.names},
               "rows": list(rows.values()),
-              "quality": quality, "table": table, "warnings": timing_warnings(results)[0]}
-    text = markdown(report, table, results)
+              "quality": quality, "table": table, "warnings": timing_warnings(results)[0],
+              "curves": curves(out, args.names)}
+    text = markdown(report, table, results) + "\n".join(curves_markdown(report["curves"])) + "\n"
     write_atomic(out / "ablation.json", json.dumps(report, indent=1))
     write_atomic(out / "ablation.md", text)
     write_plot(table, results, out / "ablation.png")
+    write_curves(report["curves"], out / "curves.png")
     print(text)
-    say(f"wrote {out / 'ablation.json'}, {out / 'ablation.md'}, {out / 'ablation.png'}")
+    say(f"wrote {out / 'ablation.json'}, {out / 'ablation.md'}, {out / 'ablation.png'}, {out / 'curves.png'}")
     return report
 
 

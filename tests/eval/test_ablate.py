@@ -81,6 +81,8 @@ def test_ablation_trains_benches_and_reruns_nothing(recipe, data, tmp_path, monk
     for name in ("ablation.json", "ablation.md", "ablation.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0
     saved = json.loads((out / "ablation.json").read_text())
+    assert set(saved["curves"]) == set(VARIANTS)  # no --eval-every here: no sim_tau points
+    assert all(c["points"] == [] and c["ntp_tokens_per_s"] > 0 for c in saved["curves"].values())
     quality = saved["quality"]["variants"]
     assert quality["full"]["max_abs_logit_diff"] == 0.0 and quality["no-sampler"]["max_abs_logit_diff"] == 0.0
     assert quality["full"]["ce"] == saved["quality"]["base_ce"]
@@ -133,3 +135,23 @@ def test_variant_names():
     assert ablate.variant_flags("basic") == {"--sampler": "0", "--lcm-weight": "0"}
     with pytest.raises(ablate.AblateError, match="--k to 2 and 3"):
         ablate.variant_flags("k2+k3")
+
+
+def test_curves_put_sim_tau_against_steps_and_training_seconds(tmp_path):
+    """Training seconds come from each log interval's NTP tokens over its tokens/s (evaluations
+    are not in them); a resumed run's re-logged steps replace the earlier lines; a cut line is
+    skipped."""
+    lines = [{"step": s, "tokens_seen": 100 * s, "ntp_tokens_per_s": 100.0} for s in (1, 2)]
+    lines += [{"step": 2, "sim_tau": 1.1, "eval_seconds": 50.0}, {"step": 3, "tokens_seen": 300, "ntp_tokens_per_s": 50.0}]
+    lines += [{"step": 3, "tokens_seen": 300, "ntp_tokens_per_s": 100.0},  # resumed from step 2: step 3 again
+              {"step": 4, "tokens_seen": 400, "ntp_tokens_per_s": 100.0}, {"step": 4, "sim_tau": 1.3}]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + '\n{"step": 5, "tok')
+    runs = ablate.curves(tmp_path, ["a", "missing"])
+    assert runs["a"]["points"] == [{"step": 2, "sim_tau": 1.1, "train_seconds": 2.0},
+                                   {"step": 4, "sim_tau": 1.3, "train_seconds": 4.0}]
+    assert runs["a"]["ntp_tokens_per_s"] == 100.0 and runs["missing"]["points"] == []
+    text = "\n".join(ablate.curves_markdown(runs))
+    assert "| 2 | 1.100 (2 s) |" in text and "| a | 100.0 | 1.00x | 4 |" in text
+    ablate.write_curves(runs, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size
