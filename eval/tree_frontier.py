@@ -768,7 +768,7 @@ def probe_subject(args, base) -> Subject:
 
 
 def mtpc_subject(args, base) -> Subject:
-    from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter, draft_tree, tree_levels
+    from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
     from mtpkit.models.mtpc.head import load_head as load_mtpc_head
 
     if not args.head:
@@ -781,17 +781,20 @@ def mtpc_subject(args, base) -> Subject:
     if not 0 < depth <= model.cfg.n:
         sys.exit(f"tree_frontier: --max-depth {depth}: the head's window is {model.cfg.n}")
     target = Target(base)
-    levels: dict[str, list] = {}
+    timed: dict[str, MTPCDrafter] = {}
 
     def drafter(bank: str, index: int):
         return MTPCDrafter(MTPCDraftConfig(tree=bank, index=index), model=model), target
 
-    def candidates(step, rows, compiled):  # the drafter's greedy tree drafting from the root's state
+    def candidates(step, rows, compiled):  # the drafter's own greedy tree drafting from the root's state
         tree = compiled.topology
-        if tree.name not in levels:  # built once per tree by the drafter as well
-            levels[tree.name] = tree_levels(tree, target.device)
-        params = model.head(step.hidden[0][None])
-        return draft_tree(params, model.cfg.n, [], tree, levels[tree.name], target.device)[0].tolist()
+        if tree.name not in timed:
+            timed[tree.name] = MTPCDrafter(MTPCDraftConfig(tree=json.dumps([list(p) for p in tree.paths])), model=model)
+            timed[tree.name].sampling = False
+            timed[tree.name].begin(target, [])
+        d = timed[tree.name]
+        d.e, d.given = step.hidden[0], []
+        return d.propose([]).tokens.tolist()
 
     return Subject(depth, lambda ids, P, task: calibrate_mtpc(model, target, ids, P, task, depth, args.max_rank),
                    target, drafter, candidates, {"head": args.head, "sampler": False, "arch": model.cfg.arch},

@@ -30,8 +30,9 @@ hands the verifier its conditionals q(x_j | x_<j) = q(x_1..j) / q(x_1..j-1) lazi
 the positions it visits, in closed form (`circuits.next_log_probs_posterior`). Under sampling the
 head's input units are computed lazily too (`LazyUnits`): all r units only for the positions
 conditioned on or verified, one unit per other position; a BTree cycle (`LazyBTree`) also
-projects only the sum weights its draws and conditionals read. Greedy drafts compute the whole
-head (the mode and the chain read every unit).
+projects only the sum weights its draws and conditionals read. Greedy chain drafts compute the whole
+head (the mode and the chain read every unit); greedy trees, only the units of the positions
+their depth reaches (as sampled trees).
 
 `verify=path` verifies each byte with the input unit the draft's latent path selected (the
 distribution it was drawn from given the path) instead of the prefix marginal. Speculative
@@ -78,7 +79,7 @@ from mtpkit.models.mtpc.circuits import (CircuitParams, greedy_chain, mode, next
 from mtpkit.models.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.mtpc.decode import LazyBTree, decode_window
 from mtpkit.models.mtpc.head import load_head
-from mtpkit.models.mtpc.model import MTPCModel
+from mtpkit.models.mtpc.model import MTPCHead, MTPCModel
 from mtpkit.models.trees import Schedule, Topology, TreeOptions, load_bank, tree_schedule
 
 CYCLES = ("alg2", "bonus")
@@ -100,7 +101,7 @@ class MTPCDraftConfig(TreeOptions):
     seed: int = 0
     """seed of the drafter's own sampling (speculative sampling only)"""
     units: str = "float32"
-    """precision the sampling path reads the head's unembeddings (and BTree sum projections) in:
+    """precision the sampling path and greedy trees read the head's unembeddings (and BTree sum projections) in:
     float32 | bfloat16 (half the bytes of a memory-bound product) | int8 (weight-only, one scale
     per row: a quarter); all exact, the verifier uses the very q the draft came from"""
     verify: str = "marginal"
@@ -350,9 +351,10 @@ class MTPCDrafter(Drafter):
         hyst schedule, the tree is first chosen by the path value (`chain_value`)."""
         m = len(self.given)
         deepest = max(self.trees[i].depth for i in self.schedule.trees)
-        if self.sampling:
+        if self.sampling or isinstance(self.model.head, MTPCHead):
+            # the conditionals read the units of positions < m + depth only: computed lazily
             params, units = decode_window(self.model.head, self.e, span, UNIT_DTYPES[self.config.units])
-            if units is not None:  # the conditionals read the units of positions < m + depth
+            if units is not None:
                 units.upto(m + min(deepest, self.n - m))
         else:
             params = self._head_params(span)
