@@ -113,7 +113,7 @@ def test_tree_frontier_for_mtpc_and_bench_end_to_end(tmp_path):
     out = tmp_path / "bank.json"
     tf.main(["--backbone", "tiny-byte-llama-random", "--method", "mtpc", "--head", str(tmp_path / "head"),
              "--data", "builtin:eval", "--per-category", "3", "--holdout", "1", "--max-new-tokens", "16",
-             "--budgets", "1,2,3", "--max-depth", "3", "--rounds", "2", "--out", str(out)])
+             "--budgets", "1,2,3", "--max-depth", "3", "--rounds", "2", "--pool-speed", "0", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["method"] == "mtpc" and saved["k"] == 3 and saved["check"]["matches_ar"]
     assert saved["check"]["max_abs_error"] == 0.0  # greedy: the rollout is the decoder's
@@ -121,7 +121,9 @@ def test_tree_frontier_for_mtpc_and_bench_end_to_end(tmp_path):
     assert {f"draft:{t['name']}@0" for t in saved["trees"]} <= set(saved["costs_ms"])  # drafting is priced
     assert "exact conditionals" in out.with_suffix(".md").read_text()
     results = tmp_path / "bench" / "results.json"
-    task = next(t for t, s in saved["schedules"].items() if "ladder" in s)  # a task whose pool has 2+ trees
+    # --pool-speed 0: every tree of a task's tau frontier joins its pool, whatever the timings
+    task = next((t for t, s in saved["schedules"].items() if "ladder" in s), None)
+    assert task is not None, f"no task has a pool of 2+ trees: {saved['schedules']}"
     specs = [f"mtpc:head={tmp_path / 'head'},tree={out},schedule={s},task={task}" for s in ("static", "ladder")]
     bench.main(["--backbone", "tiny-byte-llama-random", "--data", "builtin:eval", "--per-category", "1",
                 "--max-new-tokens", "12", "--methods", *specs, "--out", str(results)])
