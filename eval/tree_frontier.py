@@ -281,26 +281,11 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
     for c, cal in enumerate(cals):
         ranks = cal.ranks.tolist()
         position = schedule.start()
-        if cal.cycle == "alg2":
-            steps, gen, j = steps + 1, 0, 0  # the prompt's forward: its bonus dropped, its last state drafts
-            while gen < cal.n:
-                if schedule.kind != "static":
-                    position = schedule.next(position, path_value(cal, j, depth))
-                tree = trees[schedule.trees[position]]
-                L = accept_length(tree, ranks[j])
-                anchors.append((c, j))
-                accepted.append(L)
-                used.append(schedule.trees[position])
-                steps += 1
-                new = max(L, 1)  # accepted bytes (the bonus dropped), or the bonus alone
-                tokens += min(new, cal.n - gen)
-                gen += new
-                j += new
-                if L == 0 and gen < cal.n:  # the kept bonus's state: a one-byte forward, no tokens
-                    steps += 1
-                    used.append(None)
-            continue
-        steps, tokens, gen, j, has = steps + 1, tokens + min(1, cal.n), 1, 0, True  # prefill: the bonus
+        alg2 = cal.cycle == "alg2"
+        # the prompt's forward: a mask drafter keeps its bonus; MTPC (Algorithm 2) drops it, and the
+        # last prompt token's state drafts next
+        bonus = 0 if alg2 else 1
+        steps, tokens, gen, j, has = steps + 1, tokens + min(bonus, cal.n), bonus, 0, True
         while gen < cal.n:
             if has:
                 if schedule.kind != "static":
@@ -310,15 +295,17 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
                 anchors.append((c, j))
                 accepted.append(L)
                 used.append(schedule.trees[position])
-                has = L == 0 or tree.index[tuple(ranks[j][:L])] in tree.block_nodes
-            else:  # the root's block alone
-                L, has = 0, True
+                if alg2:  # the accepted bytes (the bonus dropped), or after a rejection the bonus alone
+                    new, has = max(L, 1), L > 0
+                else:
+                    new, has = L + 1, L == 0 or tree.index[tuple(ranks[j][:L])] in tree.block_nodes
+            else:  # mask drafter: the root's block alone, and its bonus; MTPC: the kept bonus's state, no tokens
+                L, new, has = 0, 0 if alg2 else 1, True
                 used.append(None)
             steps += 1
-            new = min(L + 1, cal.n - gen)
-            gen += L + 1
-            tokens += new
-            j += L + 1
+            tokens += min(new, cal.n - gen)
+            gen += new
+            j += new
     return Rollout(steps, tokens, anchors, accepted, used, block)
 
 

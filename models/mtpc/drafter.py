@@ -246,6 +246,7 @@ class MTPCDrafter(Drafter):
             raise ValueError(f"mtpc verify must be one of {VERIFY}, got {config.verify!r}")
         self.trees, self.schedule = load_trees(config) if config.tree else (None, None)
         self.tree = None if self.trees is None else self.trees[self.schedule.trees[0]]  # the tree in use
+        self.deepest = 0 if self.trees is None else max(self.trees[i].depth for i in self.schedule.trees)
         self.tree_log = open(config.log, "a", buffering=1) if config.tree and config.log else None
         if self.tree is not None and config.verify == "path":
             raise ValueError(f"mtpc tree={config.tree!r}: verify=path applies to chain drafts only (a tree's "
@@ -264,9 +265,8 @@ class MTPCDrafter(Drafter):
             raise ValueError(f"mtpc n={self.config.n}: the head's window is {n}")
         if self.tree is not None:  # the kept bonus (cycle=bonus: always one) takes a window position
             window = (self.config.n or n) - (self.config.cycle == "bonus")
-            depth = max(self.trees[i].depth for i in self.schedule.trees)
-            if depth > window:
-                raise ValueError(f"mtpc tree={self.config.tree!r}: depth {depth} does not fit the window "
+            if self.deepest > window:
+                raise ValueError(f"mtpc tree={self.config.tree!r}: depth {self.deepest} does not fit the window "
                                  f"(n={self.config.n or n}, cycle={self.config.cycle}: at most {window} deep)")
         self.shared_layer = None if self.model.draft is None else self.model.draft.start
         self.model.eval()
@@ -349,8 +349,7 @@ class MTPCDrafter(Drafter):
     def _propose_tree(self, span: int) -> Draft:
         """The draft tree cut to the window the kept bytes leave (`draft_tree`); with a ladder or
         hyst schedule, the tree is first chosen by the path value (`chain_value`)."""
-        m = len(self.given)
-        deepest = max(self.trees[i].depth for i in self.schedule.trees)
+        m, deepest = len(self.given), self.deepest
         if self.sampling or isinstance(self.model.head, MTPCHead):
             # the conditionals read the units of positions < m + depth only: computed lazily
             params, units = decode_window(self.model.head, self.e, span, UNIT_DTYPES[self.config.units])
