@@ -28,14 +28,22 @@ rollout, a throughput frontier, static / ladder / hysteresis schedules).
    of the ranks (the check in 5 measures it). MTPC moves on by its Algorithm 2 (`cycle=alg2`):
    no mask blocks; after an accepted draft the bonus is dropped and the last accepted byte's
    state drafts next; after a rejection the bonus is kept and a one-byte forward computes its
-   state (a step without tokens). MTPC is simulated greedy only: its sampled tree drafts are
-   draws without replacement, not one-hot.
+   state (a step without tokens).
    Under speculative sampling (`--temperature`) the same rollout holds: a tree's drafts are
    one-hot (the head's top-ranked tokens), so the verifier's recursive rejection accepts a node
    iff the token it samples is that node's token, and the output follows the target's
    distribution. The steps are then a function of the output, and a rollout of the target's own
    samples draws from the decoder's distribution of steps (the `drafts=sample` chains, whose q
    is not one-hot, are not simulated).
+   MTPC under sampling drafts from the circuit's q, not one-hot, so the steps are random given
+   the output; but given the output y the drafted byte at a position is accepted with
+   probability min(p(y), q(y)) / p(y) (accepted AND equal to y, over y's probability), with q the
+   circuit's conditional given the true bytes before it and p the verifier's (tempered)
+   target. The rollout (`rollout_sampled`) draws the acceptances of `replicas` decodes of each
+   calibration from these, with Algorithm 2's exact sampling cycle (a full chain drops its
+   bonus; after a rejection the bonus is kept and the next window is conditioned on it, no
+   state-only step). Chains only: a sibling drawn without replacement has no such closed form,
+   so under sampling the MTPC candidates are the chains of depth 1..--max-depth.
 3. Growth (per task): from the empty tree add one node at a time: every child of a node (depth <=
    k, the next rank under its parent) is scored by the mean accept length over the steps of the
    current tree's own rollout with that node added (one-step "what-if", biased upwards), the best
@@ -58,7 +66,8 @@ rollout, a throughput frontier, static / ladder / hysteresis schedules).
    decoded on them through the real decoder (greedy, outputs checked against AR) and its decoded
    tau compared with the simulated one (the error is reported and written to the bank). Under
    sampling the two taus come from different draws, so they agree up to sampling noise; the
-   check also replays the decoder's own outputs and requires exactly its steps.
+   check also replays the decoder's own outputs and requires exactly its steps (MTPC: reports
+   the expected steps given those outputs against the decoder's steps).
 
 Writes --out (the bank: trees, schedules per task, frontiers, costs, the check) and beside it a
 .md table and a .png (tau and tokens/s against draft nodes, per task). Use the bank with
@@ -111,6 +120,15 @@ class Calibration:
     cycle: str = "block"
     """how decoding moves on: "block" (a mask-token drafter: the block after the deepest accepted
     node drafts the next tree) or "alg2" (MTPC, `calibrate_mtpc`)"""
+    accept: torch.Tensor | None = None
+    """MTPC under speculative sampling only, [n, W]: accept[j, i-1] = min(1, q(y | ...) / p(y | ...))
+    for the true byte y at window position i of anchor j, the probability that the verifier
+    accepted a draft there given that the output is y (None: greedy, `ranks` decide)"""
+    head_top1_kept: torch.Tensor | None = None
+    """MTPC under sampling, [n, k]: head_top1 with the true byte at window position 1 kept (the
+    path value after a rejection, whose bonus the next window is conditioned on)"""
+    window: int = 0
+    """MTPC: the head's window n (a kept byte leaves n - 1 positions to draft)"""
 
 
 @torch.no_grad()
@@ -198,14 +216,17 @@ def calibrate_probe(target: Target, drafter, ids: list[int], prompt_len: int, ta
 
 @torch.no_grad()
 def calibrate_mtpc(model, target: Target, ids: list[int], prompt_len: int, task: str, depth: int, max_rank: int,
-                   chunk: int = 64) -> Calibration:
-    """The pass of step 1 for an MTPC head (`mtpkit.models.mtpc`, greedy decoding, `cycle=alg2`):
-    for anchor j (position t = P - 1 + j) the circuit of e_t (`MTPCModel.features`: the final
-    state, or the draft layers') over its window; ranks[j, d-1] = the rank of the true byte
-    x[t+d] in the circuit's exact conditional given the true bytes x[t+1..t+d-1] (ties as the
-    drafter's stable sort breaks them: the lower byte first), head_top1[j, d-1] = the circuit's
-    top-1 conditional probability at position d along its own top-1 chain (the drafter's
-    `chain_value`), target_top1[j] = the target's top-1 probability at t."""
+                   chunk: int = 64, temperature: float = 0.0, top_p: float = 1.0) -> Calibration:
+    """The pass of step 1 for an MTPC head (`mtpkit.models.mtpc`, `cycle=alg2`): for anchor j
+    (position t = P - 1 + j) the circuit of e_t (`MTPCModel.features`: the final state, or the
+    draft layers') over its window; ranks[j, d-1] = the rank of the true byte x[t+d] in the
+    circuit's exact conditional given the true bytes x[t+1..t+d-1] (ties as the drafter's stable
+    sort breaks them: the lower byte first), head_top1[j, d-1] = the circuit's top-1 conditional
+    probability at position d along its own top-1 chain (the drafter's `chain_value`),
+    target_top1[j] = the target's top-1 probability at t. With `temperature` > 0 (speculative
+    sampling, `ids` the target's own sample) also `accept` (the per-byte acceptance probability
+    given the output, up to window position depth + 1) and `head_top1_kept`."""
+    from mtpkit.models.generate import target_probs
     from mtpkit.models.mtpc.circuits import next_log_probs_posterior
     from mtpkit.models.mtpc.drafter import chain_log_top1
 
@@ -213,9 +234,16 @@ def calibrate_mtpc(model, target: Target, ids: list[int], prompt_len: int, task:
     x = torch.tensor(ids, device=device)[None]
     n, P = len(ids) - prompt_len, prompt_len
     e = model.features(x)[0, P - 1: P - 1 + n]  # [n, d]
-    target_top1 = torch.softmax(target.lm_head(target.body(input_ids=x).last_hidden_state[0, P - 1: P - 1 + n]).float(),
-                                -1).amax(-1).cpu()
+    logits = target.lm_head(target.body(input_ids=x).last_hidden_state[0, P - 1: P - 1 + n]).float()  # [n, V]
+    target_top1 = torch.softmax(logits, -1).amax(-1).cpu()
     span = model.cfg.n
+    sampled = temperature > 0
+    width = min(depth + 1, span) if sampled else depth
+    if sampled:  # the verifier's p of every generated byte
+        p_true = target_probs(logits, temperature, top_p).gather(1, x[0, P:, None])[:, 0]  # [n]
+        p_true = torch.cat([p_true, p_true.new_ones(span)])
+        accept = torch.zeros(n, width)
+        kept = torch.zeros(n, depth)
     ranks = torch.full((n, depth), MISS, dtype=torch.long)
     head_top1 = torch.zeros(n, depth)
     padded = torch.cat([x[0], x.new_zeros(span)])
@@ -223,17 +251,28 @@ def calibrate_mtpc(model, target: Target, ids: list[int], prompt_len: int, task:
         rows = torch.arange(s, min(s + chunk, n), device=device)
         params = model.head(e[rows])
         truth = torch.stack([padded[P + j: P + j + span] for j in rows.tolist()])  # [B, span]: x[t+1..t+span]
-        for d in range(1, depth + 1):
+        for d in range(1, width + 1):
             log_q = next_log_probs_posterior(params, truth, d - 1)  # [B, V]
             y = truth[:, d - 1]
             at = log_q.gather(1, y[:, None])
+            valid = rows + d <= n  # x[t+d] is a generated byte
+            if sampled:
+                a = (at[:, 0].exp() / p_true[rows + d - 1].clamp_min(1e-30)).clamp(max=1.0)
+                accept[rows.cpu(), d - 1] = torch.where(valid, a, torch.zeros_like(a)).float().cpu()
+            if d > depth:
+                continue
             vocab = torch.arange(log_q.shape[-1], device=device)[None]
             r = ((log_q > at) | ((log_q == at) & (vocab < y[:, None]))).sum(-1)
-            valid = rows + d <= n  # x[t+d] is a generated byte
             ranks[rows.cpu(), d - 1] = torch.where(valid & (r < max_rank), r, torch.full_like(r, MISS)).cpu()
         chain = torch.zeros(len(rows), span, dtype=torch.long, device=device)
         head_top1[rows.cpu()] = chain_log_top1(params, chain, 0, depth).exp().float().cpu()
-    return Calibration(task, prompt_len, n, ranks, target_top1, head_top1, cycle="alg2")
+        if sampled and span > 1:  # the chain after the kept true byte at window position 1
+            chain = torch.zeros(len(rows), span, dtype=torch.long, device=device)
+            chain[:, 0] = truth[:, 0]
+            deep = min(depth, span - 1)
+            kept[rows.cpu(), :deep] = chain_log_top1(params, chain, 1, deep).exp().float().cpu()
+    return Calibration(task, prompt_len, n, ranks, target_top1, head_top1, cycle="alg2",
+                       accept=accept if sampled else None, head_top1_kept=kept if sampled else None, window=span)
 
 
 def accept_length(topology: Topology, ranks: list[int]) -> int:
@@ -257,24 +296,34 @@ class Rollout:
     accepted: list[int]             # drafts accepted at each drafted step
     trees_used: list[int | None]
     block: int  # masks per block: the depth of the deepest tree in use (0: MTPC, no masks)
+    replicas: int = 1  # decodes simulated per calibration (MTPC under sampling draws its acceptances)
 
     @property
     def tau(self) -> float:
         return self.tokens / max(self.steps, 1)
 
 
-def path_value(cal: Calibration, j: int, depth: int) -> float:
-    return float(cal.target_top1[j] * cal.head_top1[j, :depth].prod())
+def path_value(cal: Calibration, j: int, depth: int, kept: int = 0) -> float:
+    """The drafters' path value at anchor j (MTPC: with `kept` bytes kept after it, its chain
+    `depth` bytes deep or as deep as the window leaves)."""
+    head = cal.head_top1 if not kept else cal.head_top1_kept
+    if cal.window:
+        depth = min(depth, cal.window - kept)
+    return float(cal.target_top1[j] * head[j, :depth].prod())
 
 
-def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Schedule | None = None) -> Rollout:
+def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Schedule | None = None,
+            replicas: int = 32, seed: int = 0) -> Rollout:
     """Greedy decoding replayed (step 2 of the module docstring) with `schedule` over `trees`
     (None: trees[0] on every step), with blocks of as many masks as the deepest tree in use has
-    levels, as the drafter does."""
+    levels, as the drafter does. MTPC calibrations under sampling: `rollout_sampled` (`replicas`
+    decodes per calibration, acceptances drawn from `seed`)."""
     schedule = schedule or Schedule("static", [0])
     depth = max(trees[i].depth for i in schedule.trees)
     if depth > k:
         raise ValueError(f"a tree of depth {depth} needs more than the head's k={k} masks")
+    if any(cal.accept is not None for cal in cals):
+        return rollout_sampled(cals, trees, schedule, replicas, seed)
     steps = tokens = 0
     anchors, accepted, used = [], [], []
     block = 0 if any(cal.cycle == "alg2" for cal in cals) else depth  # MTPC: no mask blocks (`NAME@0`)
@@ -289,7 +338,7 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
         while gen < cal.n:
             if has:
                 if schedule.kind != "static":
-                    position = schedule.next(position, path_value(cal, j, depth))
+                    position = schedule.next(position, path_value(cal, j, schedule.depth_of_value(depth)))
                 tree = trees[schedule.trees[position]]
                 L = accept_length(tree, ranks[j])
                 anchors.append((c, j))
@@ -307,6 +356,54 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
             gen += new
             j += new
     return Rollout(steps, tokens, anchors, accepted, used, block)
+
+
+def rollout_sampled(cals: list[Calibration], trees: list[Topology], schedule: Schedule, replicas: int,
+                    seed: int) -> Rollout:
+    """MTPC chains under speculative sampling (the drafter's exact `cycle=alg2`), `replicas`
+    decodes of each calibration's output. A draft chain of depth D after anchor j with m kept
+    bytes (m = 0 after a fully accepted chain, whose bonus is dropped; m = 1 after a rejection,
+    whose bonus the next window is conditioned on, at no extra forward) covers window positions
+    m+1..m+D (at most the window), and given the output y its i-th byte is accepted with
+    probability accept[j, m+i-1] = min(1, q(y) / p(y)): the chance that a draft drawn from q and
+    verified against p is accepted AND equals y, over p(y). Acceptances of successive bytes are
+    drawn in turn (the output after a prefix depends on it alone), so each replica is a draw of
+    the decoder's steps given its output, and their mean is the expected number of steps. The
+    uniforms are shared by absolute position across trees and schedules (common random numbers:
+    their comparisons are not noise). Trees must be chains: a sibling drawn without replacement
+    is accepted with a probability these p(y), q(y) do not give."""
+    for i in schedule.trees:
+        if trees[i].num_nodes != trees[i].depth:
+            raise ValueError(f"tree {trees[i].name}: MTPC under sampling simulates chains only "
+                             "(siblings drawn without replacement are not simulated)")
+    deepest = max(trees[i].depth for i in schedule.trees)
+    gen = torch.Generator().manual_seed(seed)
+    steps = tokens = 0
+    anchors, accepted, used = [], [], []
+    for c, cal in enumerate(cals):
+        accept = cal.accept.tolist()
+        coins = torch.rand(replicas, cal.n + 1, generator=gen).tolist()
+        for r in range(replicas):
+            u = coins[r]
+            position = schedule.start()
+            steps += 1  # the prompt's forward: no tokens; its last state drafts next
+            j = m = 0   # anchor (bytes generated through its state) and kept bytes after it
+            while j + m < cal.n:
+                if schedule.kind != "static":
+                    position = schedule.next(position, path_value(cal, j, schedule.depth_of_value(deepest), m))
+                tree = schedule.trees[position]
+                depth = min(trees[tree].depth, cal.window - m)
+                L = 0
+                while L < depth and j + m + L < cal.n and u[j + m + L] < accept[j][m + L]:
+                    L += 1
+                new = L if L == depth else L + 1  # a full chain drops its bonus
+                anchors.append((c, j))
+                accepted.append(L)
+                used.append(tree)
+                steps += 1
+                tokens += min(new, cal.n - j - m)
+                j, m = j + m + L, 0 if L == depth else 1
+    return Rollout(steps, tokens, anchors, accepted, used, 0, replicas)
 
 
 def grow(cals: list[Calibration], k: int, max_nodes: int, max_rank: int, blocks: str) -> list[Topology]:
@@ -455,7 +552,7 @@ def switch_cost(bank: list[Topology], k: int, cache_len: int, dtype, reps: int =
 
 
 def tokens_per_s(sim: Rollout, cals: list[Calibration], costs: dict, trees: list[Topology]) -> float:
-    seconds = len(cals) * costs["prefill"]
+    seconds = len(cals) * sim.replicas * costs["prefill"]
     for used in sim.trees_used:
         name = f"none@{sim.block}" if used is None else f"{trees[used].name}@{sim.block}"
         seconds += costs[name] + costs.get("draft:" + name, 0.0)  # the tree drafted for this step
@@ -492,15 +589,16 @@ def schedule_pool(trees: list[Topology], speeds: list[float], taus: list[float],
     return kept, sorted(pool, key=lambda i: trees[i].num_nodes)
 
 
-def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: float) -> dict:
-    """Static, ladder and hyst schedules of one task (indices into `trees`), swept in simulation."""
+def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: float, value_depth: int = 0) -> dict:
+    """Static, ladder and hyst schedules of one task (indices into `trees`), swept in simulation,
+    the ladder's and hyst's path value `value_depth` deep (0: the deepest tree's depth)."""
     def speed(schedule):
         sim = rollout(cals, trees, k, schedule)
         return tokens_per_s(sim, cals, costs, trees), sim.tau
 
     static = max(task_trees, key=lambda i: speed(Schedule("static", [i]))[0])
     out = {"static": Schedule("static", [static])}
-    depth = max(trees[i].depth for i in task_trees)
+    depth = Schedule("static", value_depth=value_depth).depth_of_value(max(trees[i].depth for i in task_trees))
     values = sorted(path_value(cal, j, depth) for cal in cals for j in range(cal.n))
     grid = sorted({values[int(q * (len(values) - 1))] for q in [i / 20 for i in range(1, 20)]})
     ladder_trees = sorted(task_trees, key=lambda i: trees[i].num_nodes)
@@ -512,12 +610,13 @@ def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: flo
             hi = thresholds[i + 1] if i + 1 < len(thresholds) else 1.0
             options = [v for v in grid if lo <= v <= hi] or [thresholds[i]]
             thresholds[i] = max(options, key=lambda v: speed(Schedule("ladder", ladder_trees,
-                                                                       thresholds[:i] + [v] + thresholds[i + 1:]))[0])
-        out["ladder"] = Schedule("ladder", ladder_trees, thresholds)
+                                                                       thresholds[:i] + [v] + thresholds[i + 1:],
+                                                                       value_depth))[0])
+        out["ladder"] = Schedule("ladder", ladder_trees, thresholds, value_depth)
         pairs = [(a, b) for a in ladder_trees for b in ladder_trees if trees[a].num_nodes < trees[b].num_nodes]
         best = max(((a, b, v) for a, b in pairs for v in grid),
-                   key=lambda p: speed(Schedule("hyst", [p[0], p[1]], [ratio * p[2], p[2]]))[0])
-        out["hyst"] = Schedule("hyst", [best[0], best[1]], [ratio * best[2], best[2]])
+                   key=lambda p: speed(Schedule("hyst", [p[0], p[1]], [ratio * p[2], p[2]], value_depth))[0])
+        out["hyst"] = Schedule("hyst", [best[0], best[1]], [ratio * best[2], best[2]], value_depth)
     result = {}
     for name, schedule in out.items():
         s, tau = speed(schedule)
@@ -531,7 +630,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--method", default="gated_lora", choices=sorted(SUBJECTS),
                    help="the drafter whose trees are searched: gated_lora (a trained head, --head), probe (the "
                         "training-free mask-token probe, --masks / --init / --lam) or mtpc (a circuit head on a byte "
-                        "backbone, --head, --max-depth; greedy only)")
+                        "backbone, --head, --max-depth; under sampling chains only)")
     p.add_argument("--head", default="", help="gated_lora, mtpc: the head folder (train/export.py output)")
     p.add_argument("--sampler", type=int, default=1, choices=[0, 1],
                    help="gated_lora: rank candidates by the sampler head (1, as the drafter's default) or the base head (0)")
@@ -569,6 +668,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--blocks", default="chain", choices=["chain", "all", "root"],
                    help="nodes that carry a mask block: the root and the top-1 path (chain), every node, the root")
     p.add_argument("--hyst-ratio", type=float, default=0.8, help="hyst schedule: tau_off = this x tau_on")
+    p.add_argument("--value-depth", type=int, default=0,
+                   help="ladder and hyst: depths of the head's top-1 chain in the path value (0: as deep as the "
+                        "deepest scheduled tree). An MTPC head queries them one after another, each a sequential "
+                        "circuit query per step; 1 costs none (the tree's first query)")
     p.add_argument("--pool-speed", type=float, default=0.8,
                    help="the schedules may also use trees of the tau frontier whose simulated tokens/s is at least "
                         "this share of the best tree's (they join the bank)")
@@ -586,6 +689,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--budgets {args.budgets!r}: comma-separated node counts, e.g. 2,4,8,16")
     if args.budgets[0] < 1:
         p.error("--budgets: node counts must be >= 1")
+    if args.value_depth < 0:
+        p.error(f"--value-depth {args.value_depth}: must be >= 0")
     return args
 
 
@@ -624,7 +729,7 @@ def main(argv=None) -> dict:
     by_paths: dict[tuple, int] = {}
     grown_of: dict[str, list[int]] = {}
     for task, task_cals in cals.items():
-        grown = grow(task_cals, k, max(args.budgets), args.max_rank, args.blocks)
+        grown = [] if subject.chains_only else grow(task_cals, k, max(args.budgets), args.max_rank, args.blocks)
         grown_of[task] = []
         for t in grown:
             if t.num_nodes not in args.budgets:
@@ -678,7 +783,7 @@ def main(argv=None) -> dict:
     schedules = {}
     for task, task_cals in cals.items():
         task_trees = [renumber[i] for i in task_frontiers[task]]
-        schedules[task] = calibrate_schedules(task_cals, bank, task_trees, k, costs, args.hyst_ratio)
+        schedules[task] = calibrate_schedules(task_cals, bank, task_trees, k, costs, args.hyst_ratio, args.value_depth)
         report["tasks"][task]["schedules"] = schedules[task]
         for row in report["tasks"][task]["trees"]:
             row["bank"] = renumber.get(row.pop("tree"))
@@ -714,6 +819,8 @@ class Subject:
     settings: dict
     masks: bool = True
     """whether a step carries mask blocks (False: MTPC, whose next tree comes from the last state)"""
+    chains_only: bool = False
+    """only chains are simulated (MTPC under sampling, `rollout_sampled`): no tree growth"""
 
 
 def gated_subject(args, base) -> Subject:
@@ -760,9 +867,6 @@ def mtpc_subject(args, base) -> Subject:
 
     if not args.head:
         sys.exit("tree_frontier: --method mtpc needs --head DIR (an MTPC head folder)")
-    if args.temperature:
-        sys.exit("tree_frontier: --method mtpc simulates greedy decoding only (--temperature 0): its sampled "
-                 "tree drafts are draws without replacement, not one-hot, so the steps are not a function of the output")
     model = load_mtpc_head(args.head, base).to(base.device).eval()
     depth = args.max_depth or min(8, model.cfg.n)
     if not 0 < depth <= model.cfg.n:
@@ -773,19 +877,20 @@ def mtpc_subject(args, base) -> Subject:
     def drafter(bank: str, index: int):
         return MTPCDrafter(MTPCDraftConfig(tree=bank, index=index), model=model), target
 
-    def candidates(step, rows, compiled):  # the drafter's own greedy tree drafting from the root's state
+    def candidates(step, rows, compiled):  # the drafter's own tree drafting from the root's state (greedy or sampled)
         tree = compiled.topology
         if tree.name not in timed:
             timed[tree.name] = MTPCDrafter(MTPCDraftConfig(tree=json.dumps([list(p) for p in tree.paths])), model=model)
-            timed[tree.name].sampling = False
+            timed[tree.name].sampling = args.temperature > 0
             timed[tree.name].begin(target, [])
         d = timed[tree.name]
         d.e, d.given = step.hidden[0], []
         return d.propose([]).tokens.tolist()
 
-    return Subject(depth, lambda ids, P, task: calibrate_mtpc(model, target, ids, P, task, depth, args.max_rank),
+    return Subject(depth, lambda ids, P, task: calibrate_mtpc(model, target, ids, P, task, depth, args.max_rank,
+                                                              temperature=args.temperature, top_p=args.top_p),
                    target, drafter, candidates, {"head": args.head, "sampler": False, "arch": model.cfg.arch},
-                   masks=False)
+                   masks=False, chains_only=args.temperature > 0)
 
 
 SUBJECTS = {"gated_lora": gated_subject, "probe": probe_subject, "mtpc": mtpc_subject}
@@ -842,12 +947,16 @@ def check(subject: Subject, bank: list[Topology], held, args) -> dict:
                    "differs_from_ar": differ}
             if args.temperature:
                 replay = rollout(replay_cals, [tree], subject.k)
-                row["replay_steps"], row["decoded_steps"] = replay.steps, calls
+                row["replay_steps"], row["decoded_steps"] = round(replay.steps / replay.replicas, 2), calls
+                if subject.chains_only:  # MTPC: the expected steps given the output, not its steps
+                    row["replay_error"] = round(row["replay_steps"] / calls - 1, 4)
             rows.append(row)
     worst = max(abs(r["error"]) for r in rows)
     out = {"prompts": sum(len(v) for v in held.values()), "trees": rows, "max_abs_error": worst,
            "matches_ar": not any(r["differs_from_ar"] for r in rows)}
-    if args.temperature:
+    if args.temperature and subject.chains_only:
+        out["replay_max_abs_error"] = max(abs(r["replay_error"]) for r in rows)
+    elif args.temperature:
         out["replay_exact"] = all(r["replay_steps"] == r["decoded_steps"] for r in rows)
     return out
 
@@ -874,15 +983,20 @@ def markdown(report: dict) -> str:
                          f"| {r['sim_tokens_per_s'] / t['sim_ar_tokens_per_s']:.2f}x | {'' if r['bank'] is None else r['bank']} |")
         lines += ["", "| schedule | trees | thresholds | sim tau | sim tok/s |", "|---|---|---|---|---|"]
         for name, s in t["schedules"].items():
+            if s.get("value_depth"):
+                name = f"{name} (path value {s['value_depth']} deep)"
             lines.append(f"| {name} | {s['trees']} | {[round(x, 4) for x in s['thresholds']]} | {s['sim_tau']:.3f} "
                          f"| {s['sim_tokens_per_s']:.1f} |")
         lines.append("")
     if "check" in report:
         c = report["check"]
         same = "outputs identical to AR" if c.get("matches_ar", True) else "SOME OUTPUTS DIFFER FROM AR"
-        if report.get("temperature"):
+        if report.get("temperature") and "replay_exact" in c:
             same = (f"sampled at T = {report['temperature']}; simulated on other draws; the replay of the decoder's "
                     f"own outputs takes {'exactly its steps' if c['replay_exact'] else 'OTHER STEPS than it'}")
+        elif report.get("temperature"):
+            same = (f"sampled at T = {report['temperature']}; simulated on other draws; on the decoder's own outputs "
+                    f"the simulator's expected steps are within {100 * c['replay_max_abs_error']:.1f}% of its steps")
         lines += [f"Simulator check on {c['prompts']} held-out prompts ({'' if report.get('temperature') else 'greedy, '}{same}): "
                   f"max |error| {100 * c['max_abs_error']:.1f}%", "",
                   "| tree | nodes | decoded tau | simulated tau | error | differs from AR |", "|---|---|---|---|---|---|"]

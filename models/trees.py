@@ -15,7 +15,9 @@ switching trees between steps is choosing an index (`eval/tree_frontier.py --swi
 measures it). Policies (after "EntMTP: Accelerating LLM Inference with Entropy Guided Multi Token
 Prediction", Chen) map a per-step feature the verifier already has, the path value v (the
 target's top-1 probability at the last accepted node times the head's top-1 probability at each
-depth, a product that is high where the head chain is confident), to an index into the bank:
+depth, a product that is high where the head chain is confident; a schedule's `value_depth` V > 0
+keeps the first V depths only, which MTPC uses to skip the sequential queries of a deep chain),
+to an index into the bank:
 
 - static: always the same tree (EntMTP*, the best static tree per task);
 - ladder: thresholds t_1 < ... < t_{K-1} over v select tree i for t_i <= v < t_{i+1}
@@ -209,6 +211,8 @@ class Schedule:
     kind: str = "static"
     trees: list[int] = field(default_factory=lambda: [0])
     thresholds: list[float] = field(default_factory=list)
+    value_depth: int = 0
+    """depths of the head's chain in the path value (0: as deep as the deepest scheduled tree)"""
 
     def __post_init__(self):
         if self.kind not in SCHEDULES:
@@ -218,6 +222,8 @@ class Schedule:
                              f"got {self.thresholds}")
         if self.kind == "ladder" and any(a > b for a, b in zip(self.thresholds, self.thresholds[1:])):
             raise ValueError(f"ladder schedule: thresholds {self.thresholds} must ascend")
+        if self.value_depth < 0:
+            raise ValueError(f"tree schedule: value_depth {self.value_depth} must be >= 0")
         if self.kind == "hyst":
             if len(self.trees) != 2 or len(self.thresholds) != 2:
                 raise ValueError("hyst schedule: trees (conservative, aggressive) and thresholds (tau_off, tau_on)")
@@ -240,7 +246,12 @@ class Schedule:
         return 0 if value < tau_off else 1
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "trees": list(self.trees), "thresholds": list(self.thresholds)}
+        out = {"kind": self.kind, "trees": list(self.trees), "thresholds": list(self.thresholds)}
+        return {**out, "value_depth": self.value_depth} if self.value_depth else out
+
+    def depth_of_value(self, deepest: int) -> int:
+        """Depths of the head's chain the path value multiplies, for a deepest tree of `deepest`."""
+        return min(self.value_depth, deepest) if self.value_depth else deepest
 
 
 class TopologyBank:
@@ -321,7 +332,7 @@ def tree_schedule(options: TreeOptions, schedules: dict, n_trees: int, method: s
         raise ValueError(f"{method} schedule={options.schedule}: the bank {options.tree} has no calibrated "
                          f"{options.schedule!r} schedule (has {sorted(schedules)}); run eval/tree_frontier.py")
     entry = schedules[options.schedule]  # the bank's entry also holds its simulated tau and tokens/s
-    return Schedule(entry["kind"], list(entry["trees"]), list(entry.get("thresholds", [])))
+    return Schedule(entry["kind"], list(entry["trees"]), list(entry.get("thresholds", [])), entry.get("value_depth", 0))
 
 
 class MaskTreeDrafting:
@@ -392,9 +403,10 @@ class MaskTreeDrafting:
 
     def path_value(self, step: StepOutput, rows: list[int]) -> float:
         """EAGLE-2's path value at this step: the target's top-1 probability at the last accepted
-        node (its bonus token) times the mask head's top-1 probability at every mask of the block.
-        Read off logits the verifier computes anyway."""
-        probs = torch.softmax(step.logits([step.last_node] + rows).float(), -1).amax(-1)
+        node (its bonus token) times the mask head's top-1 probability at every mask of the block
+        (the schedule's first `value_depth`). Read off logits the verifier computes anyway."""
+        depth = self.schedule.depth_of_value(self.block)
+        probs = torch.softmax(step.logits([step.last_node] + rows[:depth]).float(), -1).amax(-1)
         return float(probs.prod())
 
     def candidates(self, step: StepOutput, rows: list[int], compiled: Compiled) -> list[int]:

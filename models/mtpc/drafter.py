@@ -62,7 +62,9 @@ Tree schedules (`tree=bank.json,schedule=ladder|hyst,task=T`, a bank written by
 `eval/tree_frontier.py --method mtpc`): before each draft the schedule picks a tree of the bank
 by the path value, the target's top-1 probability at the newest byte with a state (read off the
 verifier's logits) times the circuit's top-1 conditional probabilities along its own top-1 chain
-as deep as the deepest scheduled tree (one host read per step; static schedules compute none).
+as deep as the deepest scheduled tree, or the schedule's `value_depth` (one host read per step;
+static schedules compute none). Each depth is a sequential query; the first is the one the tree's
+depth 1 needs anyway, so `value_depth` 1 costs no query.
 Every scheduled tree's levels are built once per device, so a switch is a lookup.
 """
 
@@ -180,12 +182,13 @@ def sibling_probs(q: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 
 def draft_tree(params, span: int, given: list[int], tree: Topology, levels: list[tuple], device,
-               gen: torch.Generator | None = None):
+               gen: torch.Generator | None = None, root_log_q: torch.Tensor | None = None):
     """(tokens [N], draft_probs [N, V] or None) of `tree`'s nodes up to depth len(levels) from the
     circuit `params` (batch 1, `span` positions) after the kept bytes `given`, depth by depth: one batched
     conditional query over the depth's parents, then each child's byte is the rank-th of the
     parent's conditional (greedy, `gen` None) or its rank-th Gumbel top-k draw from `gen`, i.e.
-    without replacement (sampling, with `sibling_probs` as its draft_probs row)."""
+    without replacement (sampling, with `sibling_probs` as its draft_probs row). `root_log_q`
+    [1, V]: depth 1's query (the conditional after `given`), when the caller already has it."""
     m = len(given)
     N = sum(d <= len(levels) for d in tree.depths)  # paths sort by depth: the first N nodes
     prefix = torch.zeros(N + 1, span, dtype=torch.long, device=device)  # [N + 1, span]: row j = node j's path
@@ -194,8 +197,11 @@ def draft_tree(params, span: int, given: list[int], tree: Topology, levels: list
     probs = None
     for d, (nodes, parents, index, ranks, k) in enumerate(levels, start=1):
         i = m + d - 1
-        batch = params.index(torch.zeros(len(parents), dtype=torch.long, device=device))
-        log_q = next_log_probs_posterior(batch, prefix[parents], i)  # [P, V]: q(x_i | each parent's path)
+        if d == 1 and root_log_q is not None:  # the root is depth 1's only parent
+            log_q = root_log_q
+        else:
+            batch = params.index(torch.zeros(len(parents), dtype=torch.long, device=device))
+            log_q = next_log_probs_posterior(batch, prefix[parents], i)  # [P, V]: q(x_i | each parent's path)
         if gen is not None:  # Gumbel top-k: k draws without replacement, in order
             u = torch.rand(log_q.shape, generator=gen, device=log_q.device, dtype=log_q.dtype)
             order = (log_q - (-u.clamp_min(1e-20).log()).log()).topk(k, -1).indices  # [P, k]
@@ -222,12 +228,17 @@ def chain_log_top1(params, prefix: torch.Tensor, first: int, depth: int) -> torc
     return torch.stack(out, -1) if out else prefix.new_zeros(prefix.shape[0], 0, dtype=torch.float)
 
 
-def chain_value(params, span: int, given: list[int], depth: int, device) -> float:
-    """The head's factor of the path value: the product of its top-1 conditional probabilities
-    along its top-1 chain of `depth` bytes after `given` (one host read)."""
+def chain_value(params, span: int, given: list[int], depth: int, device) -> tuple[float, torch.Tensor]:
+    """(the head's factor of the path value, the first conditional [1, V]): the product of its
+    top-1 conditional probabilities along its top-1 chain of `depth` >= 1 bytes after `given` (one
+    host read; depth 1 is one query, the one `draft_tree` reuses as its `root_log_q`)."""
+    m = len(given)
     prefix = torch.zeros(1, span, dtype=torch.long, device=device)
-    prefix[0, : len(given)] = torch.tensor(given, dtype=torch.long, device=device)
-    return float(chain_log_top1(params, prefix, len(given), depth).sum().exp())
+    prefix[0, :m] = torch.tensor(given, dtype=torch.long, device=device)
+    root = next_log_probs_posterior(params, prefix, m)  # [1, V]
+    top = root.max(-1)
+    prefix[:, m] = top.indices
+    return float((top.values + chain_log_top1(params, prefix, m + 1, depth - 1).sum()).exp()), root
 
 
 class MTPCDrafter(Drafter):
@@ -357,15 +368,18 @@ class MTPCDrafter(Drafter):
                 units.upto(m + min(deepest, self.n - m))
         else:
             params = self._head_params(span)
+        root = None
         if self.schedule.kind != "static" and self.target_top1 is not None:
-            self.value = self.target_top1 * chain_value(params, span, self.given, min(deepest, self.n - m), self.device)
+            depth = min(self.schedule.depth_of_value(deepest), self.n - m)
+            head, root = chain_value(params, span, self.given, depth, self.device)
+            self.value = self.target_top1 * head
             self.position = self.schedule.next(self.position, self.value)
             index = self.schedule.trees[self.position]
             self.tree, self.levels = self.trees[index], self.levels_of[index]
         depth = min(self.tree.depth, self.n - m)
         self.draft_depth = depth
         tokens, probs = draft_tree(params, span, self.given, self.tree, self.levels[:depth], self.device,
-                                   self.gen if self.sampling else None)
+                                   self.gen if self.sampling else None, root)
         return Draft(tokens=tokens, parents=torch.tensor(self.tree.parents[:len(tokens)]), draft_probs=probs)
 
     def _observe_tree(self, step: StepOutput) -> None:

@@ -91,13 +91,16 @@ def test_greedy_trees_equal_ar_and_the_simulator_predicts_every_step(small, tmp_
     assert (sim.steps, sim.tokens) == (calls, 20 * len(PROMPTS))
 
 
-@pytest.mark.parametrize("kind,device_path", [("ladder", False), ("hyst", False), ("hyst", True)])
-def test_schedules_switch_trees_exactly_as_simulated(small, tmp_path, kind, device_path):
+@pytest.mark.parametrize("kind,device_path,value_depth", [("ladder", False, 0), ("hyst", False, 0), ("hyst", True, 0),
+                                                         ("hyst", False, 1)])
+def test_schedules_switch_trees_exactly_as_simulated(small, tmp_path, kind, device_path, value_depth):
     """A schedule's steps are the simulator's, on the CPU path and on the device path (what a GPU
-    runs: `cpu_paths` off, one host read per greedy step)."""
+    runs: `cpu_paths` off, one host read per greedy step), with the path value over the whole
+    block or its first `value_depth` masks."""
     head = close_head(small)
     trees = [Topology("chain1"), Topology(BRANCHY)]
-    schedule = {"kind": kind, "trees": [0, 1], "thresholds": [0.25] if kind == "ladder" else [0.2, 0.3]}
+    schedule = {"kind": kind, "trees": [0, 1], "thresholds": [0.25] if kind == "ladder" else [0.2, 0.3],
+                "value_depth": value_depth}
     log = tmp_path / "steps.jsonl"
     entry = {**schedule, "sim_tau": 1.5, "sim_tokens_per_s": 20.0}  # as eval/tree_frontier.py writes it
     drafter = GatedLoRADrafter(GatedLoRADraftConfig(tree=_bank(tmp_path, trees, {kind: entry}), schedule=kind,

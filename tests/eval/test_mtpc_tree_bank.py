@@ -77,16 +77,19 @@ def test_the_simulator_takes_the_mtpc_decoders_steps(tiny_byte, arch, L):
             assert any(L and any(cals[c].ranks[j, :L].tolist()) for (c, j), L in zip(sim.anchors, sim.accepted))
 
 
-@pytest.mark.parametrize("kind,device_path", [("ladder", False), ("hyst", False), ("hyst", True)])
-def test_mtpc_schedules_switch_trees_exactly_as_simulated(tiny_byte, tmp_path, kind, device_path):
+@pytest.mark.parametrize("kind,device_path,value_depth", [("ladder", False, 0), ("hyst", False, 0), ("hyst", True, 0),
+                                                         ("hyst", False, 1), ("ladder", True, 1)])
+def test_mtpc_schedules_switch_trees_exactly_as_simulated(tiny_byte, tmp_path, kind, device_path, value_depth):
     """The path value (the target's top-1 probability at the newest byte with a state times the
-    circuit's top-1 conditionals along its top-1 chain) chooses each step's tree in the drafter
-    as in the simulator, on the CPU path and on the device path."""
+    circuit's top-1 conditionals along its top-1 chain, as deep as the deepest tree or the
+    schedule's value_depth) chooses each step's tree in the drafter as in the simulator, on the
+    CPU path and on the device path."""
     backbone, _ = tiny_byte
     target = Target(backbone)
     model, seqs = fitted_head(backbone, target, "btree", 0)
     trees = [Topology("chain1"), Topology(BRANCHY)]
-    schedule = {"kind": kind, "trees": [0, 1], "thresholds": [0.3] if kind == "ladder" else [0.25, 0.35]}
+    schedule = {"kind": kind, "trees": [0, 1], "thresholds": [0.3] if kind == "ladder" else [0.25, 0.35],
+                "value_depth": value_depth}
     bank = tmp_path / "bank.json"
     bank.write_text(json.dumps({"trees": [t.to_json() for t in trees],
                                 "schedules": {"t": {kind: {**schedule, "sim_tau": 1.5}}}}))
@@ -129,6 +132,68 @@ def test_tree_frontier_for_mtpc_and_bench_end_to_end(tmp_path):
                 "--max-new-tokens", "12", "--methods", *specs, "--out", str(results)])
     methods = json.loads(results.read_text())["methods"]
     assert all(methods[s]["matches_ar"] is True for s in specs)
-    with pytest.raises(SystemExit, match="greedy"):
-        tf.main(["--backbone", "tiny-byte-llama-random", "--method", "mtpc", "--head", str(tmp_path / "head"),
-                 "--data", "builtin:eval", "--temperature", "1.0", "--out", str(tmp_path / "x.json")])
+    # under sampling: a bank of chains, checked by the expected steps on the decoder's own outputs
+    sampled = tmp_path / "bank_t1.json"
+    tf.main(["--backbone", "tiny-byte-llama-random", "--method", "mtpc", "--head", str(tmp_path / "head"),
+             "--data", "builtin:eval", "--per-category", "3", "--holdout", "1", "--max-new-tokens", "16",
+             "--max-depth", "3", "--rounds", "2", "--pool-speed", "0", "--temperature", "1.0", "--out", str(sampled)])
+    saved = json.loads(sampled.read_text())
+    assert all(len(t["paths"]) == max(len(p) for p in t["paths"]) for t in saved["trees"])  # chains only
+    assert "replay_max_abs_error" in saved["check"] and "expected steps" in sampled.with_suffix(".md").read_text()
+    with pytest.raises(ValueError, match="chains only"):
+        tf.rollout_sampled([tf.Calibration("t", 3, 2, torch.zeros(2, 3, dtype=torch.long), torch.ones(2),
+                                           torch.ones(2, 3), "alg2", torch.ones(2, 4), torch.ones(2, 3), 4)],
+                           [Topology(BRANCHY)], Schedule("static", [0]), 1, 0)
+
+
+def fitted_to_samples(backbone, target, temperature, draws=8, steps=40):
+    """A BTree head fitted to the target's own samples at `temperature`: its conditionals q are
+    near p in places and far in others, so acceptance probabilities between 0 and 1 are common."""
+    torch.manual_seed(0)
+    model = MTPCModel(backbone, MTPCConfig(arch="btree", n=4, r=3))
+    data = [(p, p + decode(target, Drafter(), p, NEW, temperature=temperature,
+                           generator=torch.Generator().manual_seed(100 + s)).tokens) for p in PROMPTS for s in range(draws)]
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    for _ in range(steps):
+        loss = 0
+        for prompt, seq in data:
+            x = torch.tensor(seq)[None]
+            labels = torch.cat([x[:, 1:], torch.full((1, 1), -100)], 1)
+            labels[:, : len(prompt) - 1] = -100
+            targets, valid = window_targets(labels, model.cfg.n)
+            params = model.head(model.features(x)[0])
+            loss = loss + window_loss(params, targets[0], valid[0], torch.zeros(x.shape[1], dtype=torch.long), 1, 0.9)[0]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_under_sampling_the_simulator_expects_the_mtpc_decoders_steps(tiny_byte, temperature):
+    """Speculative sampling with a 3-byte MTPC chain (Algorithm 2 made exact: a full chain drops
+    its bonus, a rejection keeps it and conditions the next window on it): on each of 60 decoded
+    outputs, the simulator's expected steps given that output (acceptance min(p(y), q(y)) / p(y)
+    per byte, 64 replicas) match the decoder's steps: their summed difference is within 4 of its
+    own standard errors. Planted, a window offset after a kept bonus (accept[j][L] for
+    accept[j][m + L]) fails it (z = 7.4), and so does accepting with q(y) instead (|z| = 6.1)."""
+    backbone, _ = tiny_byte
+    target = Target(backbone)
+    model = fitted_to_samples(backbone, target, temperature)
+    drafter = MTPCDrafter(MTPCDraftConfig(tree="chain3"), model=model)
+    calls, expected, squares, accepted = 0, 0.0, 0.0, [0, 0, 0]
+    for seed in range(20):
+        for prompt in PROMPTS:
+            got = decode(target, drafter, prompt, NEW, temperature=temperature,
+                         generator=torch.Generator().manual_seed(seed))
+            for d, n in enumerate(got.accept_counts[:3]):
+                accepted[d] += n
+            cal = tf.calibrate_mtpc(model, target, prompt + got.tokens, len(prompt), "t", depth=3, max_rank=4,
+                                    temperature=temperature)
+            sim = tf.rollout([cal], [Topology("chain3")], 3, replicas=64)
+            assert sim.tokens == NEW * sim.replicas
+            e = sim.steps / sim.replicas
+            calls, expected, squares = calls + got.target_calls, expected + e, squares + (got.target_calls - e) ** 2
+    assert accepted[1] > 20 and accepted[2] > 5, accepted  # chains accepted 2 and 3 deep
+    z = (calls - expected) / squares ** 0.5
+    assert abs(z) < 4, (calls, expected, z)
