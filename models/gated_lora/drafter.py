@@ -54,7 +54,8 @@ class GatedLoRADraftConfig(TreeOptions):
     decoding: str = "quadratic"
     """linear | quadratic"""
     sampler: bool = True
-    """speculate with the sampler head (if the head has one) instead of the base head"""
+    """speculate with the sampler head instead of the base head (a head trained with --sampler 0
+    has none: sampler=0 there, or the drafter refuses it by name)"""
     k: int = 0
     """masks per block; 0 = the k the head was trained with. Fewer is exact for the same head
     (mask i only ever sees masks 1..i of its block), so one k=4 head also serves k=2"""
