@@ -60,20 +60,29 @@ def load_head(head_dir, base_model, trust_remote_code: bool = False) -> GatedMTP
 
 
 def model_card(config: dict) -> ModelCard:
+    """The head's model card; its text names the parts this head was trained with (a head trained
+    with --sampler 0 or --lcm-weight 0 has no sampler MLP or LCM term, and its bench line says
+    sampler=0)."""
+    settings = config["gated_lora"]
+    sampler = settings.get("sampler", True)
+    losses = ["base" + (" + sampler" if sampler else "") + " cross-entropy"]
+    if settings.get("lcm_weight", 1.0) > 0:
+        losses.append("the latent-consistency loss")
+    parts = ", ".join((["a sampler MLP"] if sampler else ["no sampler MLP (the base head speculates)"])
+                      + [" and ".join(losses)])
     title = f"Gated-LoRA mask-token MTP head (k = {config['k']}) for {config['base_model']}"
     about = ("Trained with mtpkit `train/gated_lora.py` (\"Your LLM Knows the Future: Uncovering Its Multi-Token "
              "Prediction Potential\", Samragh et al., arXiv:2507.11851): k mask tokens, LoRA gated on only at mask "
-             "positions (the base model's next-token outputs are unchanged, bit for bit), a sampler MLP, base + "
-             "sampler cross-entropy and the latent-consistency loss. Decoding is lossless: every token is verified "
-             "by the base model.")
-    if not config["gated_lora"].get("gated", True):  # the ablation's plain-LoRA baseline
+             f"positions (the base model's next-token outputs are unchanged, bit for bit), {parts}. Decoding is "
+             "lossless: every token is verified by the base model.")
+    if not settings.get("gated", True):  # the ablation's plain-LoRA baseline
         title = f"Plain-LoRA mask-token MTP head (k = {config['k']}, an ablation baseline) for {config['base_model']}"
         about = ("Trained with mtpkit `train/gated_lora.py --gated 0`: the LoRA is on at EVERY position, so the "
                  "adapted model's next-token outputs differ from the base model's and decoding is lossless only "
                  "with respect to the adapted model (the baseline of Figure 6 in Samragh et al., arXiv:2507.11851). "
                  "Use a gated head for lossless decoding of the base model.")
     return ModelCard(
-        title=title, about=about, settings=config["gated_lora"],
+        title=title, about=about, settings=settings,
         usage="from mtpkit.models.gated_lora import load_head\nmtp = load_head('path/to/this/folder', model)",
-        bench="gated_lora:head=path/to/this/folder,decoding=quadratic",
+        bench="gated_lora:head=path/to/this/folder,decoding=quadratic" + ("" if sampler else ",sampler=0"),
         library="peft")

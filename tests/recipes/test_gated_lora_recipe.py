@@ -188,3 +188,20 @@ def test_config_errors_name_the_file_and_key(tmp_path):
     assert cfg.model.k == 2 and cfg.max_steps == 360 and cfg.lr == 1e-3 and cfg.anchors == 0.25
     paper = gated_lora.parse_args(["--config", str(ROOT / "configs/gated_lora/tulu3-8b_k8.yaml")])
     assert (paper.model.k, paper.model.rank, paper.lr, paper.warmup_steps, paper.max_steps) == (8, 128, 2e-4, 5000, 50000)
+
+
+def test_model_card_names_the_parts_the_head_was_trained_with():
+    """A head trained without the sampler or the LCM term says so on its card, and its bench line
+    runs (sampler=0: the drafter refuses sampler=1 on a head without a sampler)."""
+    from mtpkit.models.gated_lora.head import model_card
+
+    def card(**settings):
+        return model_card({"k": 4, "base_model": "smollm2-135m-instruct",
+                           "gated_lora": {**GatedLoRAConfig().__dict__, **settings}})
+
+    full = card()
+    assert "a sampler MLP" in full.about and "latent-consistency" in full.about
+    assert "sampler=0" not in full.bench
+    basic = card(sampler=False, lcm_weight=0.0)
+    assert "no sampler MLP" in basic.about and "latent-consistency" not in basic.about
+    assert "+ sampler" not in basic.about and basic.bench.endswith(",sampler=0")
