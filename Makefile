@@ -44,16 +44,17 @@ demo: $(STAMP)
 	$(PY) train/export.py --checkpoint $(DEMO)/gated_lora --out $(DEMO)/export --results $(DEMO)/bench/results.json
 
 # The README's best gated-LoRA head from a fresh clone (<= 60 minutes on 2 CPU cores): self-distil
-# the built-in training prompts, train configs/gated_lora/smollm2-135m_k4.yaml (the cheaper step:
-# mask blocks after a random quarter of the answer tokens, NTP states cached), export the head
-# with its model card, and bench AR, the probe and the head (k = 2, 3, 4; linear and quadratic)
-# on the held-out built-in prompts. Resumable: rerun it after an interruption.
+# the built-in training prompts, train configs/gated_lora/smollm2-135m_k4_nosampler.yaml (base head
+# cross-entropy only, 800 steps; the cheaper step: mask blocks after a random quarter of the answer
+# tokens, NTP states cached), export the head with its model card, and bench AR, the probe and the
+# head (k = 2, 3, 4; linear and quadratic) on the held-out built-in prompts. Resumable: rerun it
+# after an interruption.
 BEST := $(RUNS)/gated_best
 gated-best: $(STAMP)
 	$(PY) data/distill.py --backbone smollm2-135m-instruct --data builtin:train --max-new-tokens 128 \
 		--batch-size 8 --out $(BEST)/distilled.jsonl
-	$(PY) train/gated_lora.py --config configs/gated_lora/smollm2-135m_k4.yaml --data $(BEST)/distilled.jsonl \
-		--output-dir $(BEST)/gated_lora --decay-steps 100 --min-lr-ratio 0.1 --resume auto
+	$(PY) train/gated_lora.py --config configs/gated_lora/smollm2-135m_k4_nosampler.yaml \
+		--data $(BEST)/distilled.jsonl --output-dir $(BEST)/gated_lora --resume auto
 	$(PY) train/export.py --checkpoint $(BEST)/gated_lora --out $(BEST)/export
 	$(PY) eval/bench.py --backbone smollm2-135m-instruct --data builtin:eval --per-category 2 --max-new-tokens 96 \
 		--rounds 2 --out $(BEST)/bench/results.json --methods ar probe:bc=10 \

@@ -632,8 +632,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "training-free mask-token probe, --masks / --init / --lam) or mtpc (a circuit head on a byte "
                         "backbone, --head, --max-depth; under sampling chains only)")
     p.add_argument("--head", default="", help="gated_lora, mtpc: the head folder (train/export.py output)")
-    p.add_argument("--sampler", type=int, default=1, choices=[0, 1],
-                   help="gated_lora: rank candidates by the sampler head (1, as the drafter's default) or the base head (0)")
+    p.add_argument("--sampler", type=int, default=-1, choices=[-1, 0, 1],
+                   help="gated_lora: rank candidates by the sampler head (1) or the base head (0); -1 (auto, as "
+                        "the drafter's default): the sampler when the head has one (default: %(default)s)")
     p.add_argument("--masks", type=int, default=0,
                    help="probe: masks per block, the deepest a tree may grow (default 3)")
     p.add_argument("--init", default="mean", help="probe: mask embedding init, mean | hard | sample (default: %(default)s)")
@@ -829,20 +830,21 @@ def gated_subject(args, base) -> Subject:
     if not args.head:
         sys.exit("tree_frontier: --method gated_lora needs --head DIR (a gated-LoRA head folder)")
     model = load_head(args.head, copy.deepcopy(base)).to(base.device).eval()  # the head's weights load on the CPU
-    if args.sampler and model.sampler is None:
-        sys.exit(f"tree_frontier: --sampler 1 but {args.head} has no sampler head")
+    if args.sampler == 1 and model.sampler is None:
+        sys.exit(f"tree_frontier: --sampler 1 but {args.head} has no sampler head (trained with --sampler 0)")
+    sampler = model.sampler is not None if args.sampler == -1 else bool(args.sampler)
     lean = _lean(model)
-    plain = GatedLoRADrafter(GatedLoRADraftConfig(sampler=bool(args.sampler)), model=lean)  # its candidates time drafting
+    plain = GatedLoRADrafter(GatedLoRADraftConfig(sampler=int(sampler)), model=lean)  # its candidates time drafting
     target = Target(*plain.adapt(None, {}))
 
     def drafter(bank: str, index: int):  # decodes on the same adapted copy, so on `target`
-        return GatedLoRADrafter(GatedLoRADraftConfig(tree=bank, index=index, sampler=bool(args.sampler)),
+        return GatedLoRADrafter(GatedLoRADraftConfig(tree=bank, index=index, sampler=int(sampler)),
                                 model=lean), target
 
     return Subject(model.config.k,
-                   lambda ids, P, task: calibrate(model, ids, P, task, bool(args.sampler), args.max_rank),
+                   lambda ids, P, task: calibrate(model, ids, P, task, sampler, args.max_rank),
                    target, drafter, plain.candidates,
-                   {"head": args.head, "sampler": bool(args.sampler)})
+                   {"head": args.head, "sampler": sampler})
 
 
 def probe_subject(args, base) -> Subject:

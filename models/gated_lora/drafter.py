@@ -53,9 +53,10 @@ class GatedLoRADraftConfig(TreeOptions):
     """head folder (train/export.py output or a checkpoint's head/)"""
     decoding: str = "quadratic"
     """linear | quadratic"""
-    sampler: bool = True
-    """speculate with the sampler head instead of the base head (a head trained with --sampler 0
-    has none: sampler=0 there, or the drafter refuses it by name)"""
+    sampler: int = -1
+    """which head speculates: 1 the sampler head (refused by name on a head trained with
+    --sampler 0, which has none), 0 the base head, -1 (auto) the sampler when the head has one,
+    else the base head"""
     k: int = 0
     """masks per block; 0 = the k the head was trained with. Fewer is exact for the same head
     (mask i only ever sees masks 1..i of its block), so one k=4 head also serves k=2"""
@@ -78,8 +79,12 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
             raise ValueError(f"gated_lora drafts must be one of {DRAFTS}, got {config.drafts!r}")
         if model is None and not config.head:
             raise ValueError("gated_lora needs head=DIR (a folder written by train/export.py)")
+        if config.sampler not in (-1, 0, 1):
+            raise ValueError(f"gated_lora sampler must be -1 (auto), 0 or 1, got {config.sampler!r}")
         self.config = config
         self.model = model
+        if model is not None:
+            self._check_sampler()
         self.setup_trees(config, "gated_lora")
         # seeded once, not per prompt: every decode must draw fresh speculations (drafts repeated
         # across runs are not samples from q, and the acceptance rule would be biased)
@@ -94,10 +99,19 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
                 device = model.get_input_embeddings().weight.device
                 shared[key] = to_inference(load_head(self.config.head, copy.deepcopy(model))).to(device)
             self.model = shared[key]
-        if self.config.sampler and self.model.sampler is None:
-            raise ValueError(f"gated_lora: sampler=1 but {self.config.head} has no sampler head")
+        self._check_sampler()
         self.model.eval()
         return self.model.peft.get_base_model(), self.model.gate
+
+    def _check_sampler(self) -> None:
+        if self.config.sampler == 1 and self.model.sampler is None:
+            raise ValueError(f"gated_lora: sampler=1 but {self.config.head or 'the head'} has no sampler head "
+                             "(trained with --sampler 0): use sampler=0 or leave sampler unset")
+
+    @property
+    def use_sampler(self) -> bool:
+        """The head that speculates: the sampler (chained on the drafted tokens) or the base head."""
+        return self.model.sampler is not None if self.config.sampler == -1 else bool(self.config.sampler)
 
     def begin(self, target, prompt_ids: list[int]) -> None:
         trained = self.model.config.k
@@ -136,7 +150,7 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
             return
         if self.sample:
             self.spec, self.spec_probs = self._draw(step, rows)
-        elif self.config.sampler:  # y_i = argmax W MLP([E(y_{i-1}); z_i]), chained on the device
+        elif self.use_sampler:  # y_i = argmax W MLP([E(y_{i-1}); z_i]), chained on the device
             z = step.hidden[rows]  # [k, d]
             prev, spec = torch.tensor(step.new_tokens[-1], device=z.device), []
             for i in range(self.k):
@@ -152,7 +166,7 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
         """k speculations drawn from the head under the verifier's transform, and the q [k, V]
         each was drawn from (row i given y_0..y_{i-1}: the sampler chains on the drawn tokens)."""
         T, top_p = self.temperature, self.top_p
-        if self.config.sampler:  # y_i ~ q_i = target_probs(W MLP([E(y_{i-1}); z_i])), chained
+        if self.use_sampler:  # y_i ~ q_i = target_probs(W MLP([E(y_{i-1}); z_i])), chained
             z = step.hidden[rows]  # [k, d]
             prev, spec, probs = torch.tensor(step.new_tokens[-1], device=z.device), [], []
             for i in range(self.k):
@@ -169,7 +183,7 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
         `MaskTreeDrafting.candidates` (the r_d-th token of mask d's logits); sampler: the r_d-th
         token of W MLP([E(parent's token); z_d]), one sampler call per depth over that depth's
         parents (one host read per depth: the next depth's inputs)."""
-        if not self.config.sampler:
+        if not self.use_sampler:
             return super().candidates(step, rows, compiled)
         t = compiled.topology
         width = t.max_rank

@@ -83,6 +83,27 @@ def test_acceptance_paths_with_an_oracle(tiny, gated, decoding):
         assert got.draft_nodes < 3 * (got.target_calls - 1)  # a partial acceptance leaves none
 
 
+def test_sampler_auto_follows_the_head(tiny, gated):
+    """sampler unset (-1): the sampler head speculates when the head has one, the base head when it
+    was trained without one (--sampler 0); sampler=1 on such a head is refused by name."""
+    base, _ = tiny
+    bare = make_gated(base, k=3, rank=4, seed=5, sampler=False)
+    assert GatedLoRADrafter(GatedLoRADraftConfig(), model=gated).use_sampler
+    assert not GatedLoRADrafter(GatedLoRADraftConfig(), model=bare).use_sampler
+    assert not GatedLoRADrafter(GatedLoRADraftConfig(sampler=0), model=gated).use_sampler
+    with pytest.raises(ValueError, match="has no sampler head"):
+        GatedLoRADrafter(GatedLoRADraftConfig(sampler=1), model=bare)
+    with pytest.raises(ValueError, match="sampler must be"):
+        GatedLoRADrafter(GatedLoRADraftConfig(sampler=2), model=gated)
+    prompt = list(range(10, 18))
+    auto = GatedLoRADrafter(GatedLoRADraftConfig(), model=bare)
+    target = Target(*auto.adapt(None, {}))
+    got = decode(target, auto, prompt, 24)
+    explicit = decode(target, GatedLoRADrafter(GatedLoRADraftConfig(sampler=0), model=bare), prompt, 24)
+    assert got.tokens == explicit.tokens == decode(Target(base), Drafter(), prompt, 24).tokens
+    assert got.draft_nodes == explicit.draft_nodes > 0 and got.accept_counts == explicit.accept_counts
+
+
 def test_bad_options_are_clear(gated):
     with pytest.raises(ValueError, match="decoding"):
         GatedLoRADrafter(GatedLoRADraftConfig(decoding="cubic"), model=gated)

@@ -186,6 +186,9 @@ def test_config_errors_name_the_file_and_key(tmp_path):
         gated_lora.parse_args(["--k", "two"])
     cfg = gated_lora.parse_args(["--config", str(ROOT / "configs/gated_lora/smollm2-135m_k4.yaml"), "--k", "2"])
     assert cfg.model.k == 2 and cfg.max_steps == 360 and cfg.lr == 1e-3 and cfg.anchors == 0.25
+    best = gated_lora.parse_args(["--config", str(ROOT / "configs/gated_lora/smollm2-135m_k4_nosampler.yaml")])
+    assert (best.model.sampler, best.model.lcm_weight, best.max_steps, best.decay_steps) == (False, 0.0, 800, 200)
+    assert best.model.k == 4 and not best.model.train_mask_embeds and best.anchors == 0.25
     paper = gated_lora.parse_args(["--config", str(ROOT / "configs/gated_lora/tulu3-8b_k8.yaml")])
     assert (paper.model.k, paper.model.rank, paper.lr, paper.warmup_steps, paper.max_steps) == (8, 128, 2e-4, 5000, 50000)
 
