@@ -830,15 +830,18 @@ def gated_subject(args, base) -> Subject:
     if not args.head:
         sys.exit("tree_frontier: --method gated_lora needs --head DIR (a gated-LoRA head folder)")
     model = load_head(args.head, copy.deepcopy(base)).to(base.device).eval()  # the head's weights load on the CPU
-    if args.sampler == 1 and model.sampler is None:
-        sys.exit(f"tree_frontier: --sampler 1 but {args.head} has no sampler head (trained with --sampler 0)")
-    sampler = model.sampler is not None if args.sampler == -1 else bool(args.sampler)
     lean = _lean(model)
-    plain = GatedLoRADrafter(GatedLoRADraftConfig(sampler=int(sampler)), model=lean)  # its candidates time drafting
+    # the drafter resolves --sampler (auto: the sampler when the head has one) and refuses 1 without
+    # one; its candidates time drafting
+    try:
+        plain = GatedLoRADrafter(GatedLoRADraftConfig(head=args.head, sampler=args.sampler), model=lean)
+    except ValueError as e:
+        sys.exit(f"tree_frontier: --sampler {args.sampler}: {e}")
+    sampler = plain.use_sampler
     target = Target(*plain.adapt(None, {}))
 
     def drafter(bank: str, index: int):  # decodes on the same adapted copy, so on `target`
-        return GatedLoRADrafter(GatedLoRADraftConfig(tree=bank, index=index, sampler=int(sampler)),
+        return GatedLoRADrafter(GatedLoRADraftConfig(tree=bank, index=index, sampler=args.sampler),
                                 model=lean), target
 
     return Subject(model.config.k,

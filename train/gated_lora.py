@@ -141,8 +141,7 @@ def eval_prompts(cfg: TrainConfig, tokenizer, train_examples_text: set[str]) -> 
 def simulated_tau(mtp: GatedMTP, prompts: list[list[int]], cfg: TrainConfig, eos) -> float:
     """Mean acceptance length of greedy speculative decoding with the current head."""
     was_training = mtp.training
-    drafter = GatedLoRADrafter(GatedLoRADraftConfig(decoding=cfg.eval_decoding),
-                               model=mtp)
+    drafter = GatedLoRADrafter(GatedLoRADraftConfig(decoding=cfg.eval_decoding), model=mtp)
     model, gate = drafter.adapt(None, {})
     target = Target(model, gate=gate)
     tokens = calls = 0
