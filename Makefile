@@ -47,7 +47,7 @@ demo: $(STAMP)
 # the built-in training prompts, train configs/gated_lora/smollm2-135m_k4_nosampler.yaml (base head
 # cross-entropy only, 800 steps; the cheaper step: mask blocks after a random quarter of the answer
 # tokens, NTP states cached), export the head with its model card, and bench AR, the probe and the
-# head (k = 2, 3, 4; linear and quadratic) on the held-out built-in prompts. Resumable: rerun it
+# head (linear k = 1 and 2, quadratic k = 2, 3 and 4) on the held-out built-in prompts. Resumable: rerun it
 # after an interruption.
 BEST := $(RUNS)/gated_best
 gated-best: $(STAMP)
@@ -57,7 +57,7 @@ gated-best: $(STAMP)
 		--data $(BEST)/distilled.jsonl --output-dir $(BEST)/gated_lora --resume auto
 	$(PY) train/export.py --checkpoint $(BEST)/gated_lora --out $(BEST)/export
 	$(PY) eval/bench.py --backbone smollm2-135m-instruct --data builtin:eval --per-category 2 --max-new-tokens 96 \
-		--rounds 2 --out $(BEST)/bench/results.json --methods ar probe:bc=10 \
+		--rounds 2 --out $(BEST)/bench/results.json --methods ar probe:bc=10 gated_lora:head=$(BEST)/export,decoding=linear,k=1 \
 		gated_lora:head=$(BEST)/export,decoding=linear,k=2 gated_lora:head=$(BEST)/export,decoding=quadratic,k=2 \
 		gated_lora:head=$(BEST)/export,decoding=quadratic,k=3 gated_lora:head=$(BEST)/export,decoding=quadratic
 	$(PY) train/export.py --checkpoint $(BEST)/gated_lora --out $(BEST)/export --results $(BEST)/bench/results.json

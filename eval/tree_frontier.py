@@ -44,7 +44,9 @@ rollout, a throughput frontier, static / ladder / hysteresis schedules).
    bonus; after a rejection the bonus is kept and the next window is conditioned on it, no
    state-only step). Chains only: a sibling drawn without replacement has no such closed form,
    so under sampling the MTPC candidates are the chains of depth 1..--max-depth.
-3. Growth (per task): from the empty tree add one node at a time: every child of a node (depth <=
+3. Growth (per task, and per mask-block placement of `--blocks`: chain = the root and the top-1
+   path, quadratic decoding's blocks; leaf = the leaves only, linear decoding's): from the empty
+   tree add one node at a time: every child of a node (depth <=
    k, the next rank under its parent) is scored by the mean accept length over the steps of the
    current tree's own rollout with that node added (one-step "what-if", biased upwards), the best
    is kept, ties going to the smaller rank sum along its path, then the shallower node. Every
@@ -100,7 +102,7 @@ from mtpkit.models.backbone import DEFAULT_BACKBONE, add_device_args, eos_token_
 from mtpkit.models.drafter import Drafter
 from mtpkit.models.gated_lora.head import load_head
 from mtpkit.models.heads import write_atomic
-from mtpkit.models.trees import Schedule, Topology, compile_topology
+from mtpkit.models.trees import BLOCKS, Schedule, Topology, compile_topology
 
 MISS = 1 << 20  # rank of a true token outside the head's top `--max-rank` (or past the end)
 
@@ -347,7 +349,7 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
                 if alg2:  # the accepted bytes (the bonus dropped), or after a rejection the bonus alone
                     new, has = max(L, 1), L > 0
                 else:
-                    new, has = L + 1, L == 0 or tree.index[tuple(ranks[j][:L])] in tree.block_nodes
+                    new, has = L + 1, (tree.index[tuple(ranks[j][:L])] if L else 0) in tree.block_nodes
             else:  # mask drafter: the root's block alone, and its bonus; MTPC: the kept bonus's state, no tokens
                 L, new, has = 0, 0 if alg2 else 1, True
                 used.append(None)
@@ -505,7 +507,7 @@ def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: i
 
         step = StepOutput(accepted=[], last_node=0, new_tokens=[int(ids[0])], hidden=h, logits=logits)
         t0 = clock()
-        candidates(step, compiled.block_rows[0], compiled)
+        candidates(step, compiled.block_rows[compiled.topology.block_nodes[0]], compiled)  # any block: k rows
         return seconds, clock() - t0
 
     def prefill():
@@ -666,8 +668,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budgets", default="2,4,8,16",
                    help="draft-node counts of the grown trees that are re-scored and may enter the bank")
     p.add_argument("--max-rank", type=int, default=8, help="candidates per head position the growth may use")
-    p.add_argument("--blocks", default="chain", choices=["chain", "all", "root"],
-                   help="nodes that carry a mask block: the root and the top-1 path (chain), every node, the root")
+    p.add_argument("--blocks", default="chain",
+                   help="comma-separated mask-block placements to search, each grown and priced on its own: chain "
+                        "(the root and the top-1 path; quadratic decoding on a chain), all (every node), root, leaf "
+                        "(the leaves only; linear decoding on a chain: a step that accepts no draft is followed by "
+                        "one that drafts nothing). e.g. chain,leaf (default: %(default)s)")
     p.add_argument("--hyst-ratio", type=float, default=0.8, help="hyst schedule: tau_off = this x tau_on")
     p.add_argument("--value-depth", type=int, default=0,
                    help="ladder and hyst: depths of the head's top-1 chain in the path value (0: as deep as the "
@@ -692,6 +697,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--budgets: node counts must be >= 1")
     if args.value_depth < 0:
         p.error(f"--value-depth {args.value_depth}: must be >= 0")
+    args.blocks = list(dict.fromkeys(b.strip() for b in args.blocks.split(",")))
+    for b in args.blocks:
+        if b not in BLOCKS:
+            p.error(f"--blocks {b!r}: each placement must be one of {', '.join(BLOCKS)}")
+    if args.method == "mtpc" and args.blocks != ["chain"]:
+        p.error("--blocks: an MTPC head's trees carry no mask blocks")
     return args
 
 
@@ -725,28 +736,32 @@ def main(argv=None) -> dict:
             else:
                 held[task].append((prompt, cal, cont))
 
-    # grow per task; the budget-sized trees are candidates for the bank
+    # grow per task and placement; the budget-sized trees are candidates for the bank
     trees: list[Topology] = []
     by_paths: dict[tuple, int] = {}
     grown_of: dict[str, list[int]] = {}
+    suffix = {b: "" if b == args.blocks[0] else f"_{b}" for b in args.blocks}  # names stay unique
     for task, task_cals in cals.items():
-        grown = [] if subject.chains_only else grow(task_cals, k, max(args.budgets), args.max_rank, args.blocks)
         grown_of[task] = []
-        for t in grown:
-            if t.num_nodes not in args.budgets:
-                continue
-            key = tuple(t.paths)
+        for blocks in args.blocks:
+            grown = [] if subject.chains_only else grow(task_cals, k, max(args.budgets), args.max_rank, blocks)
+            for t in grown:
+                if t.num_nodes not in args.budgets:
+                    continue
+                key = (tuple(t.paths), blocks)
+                if key not in by_paths:
+                    by_paths[key] = len(trees)
+                    trees.append(Topology(t.paths, blocks, name=f"t{len(trees)}_{t.num_nodes}n{suffix[blocks]}"))
+                grown_of[task].append(by_paths[key])
+    chains = []  # top-1 chains of every depth, for reference (quadratic / linear decoding's drafts)
+    for blocks in args.blocks:
+        for depth in range(1, k + 1):
+            chain = Topology(f"chain{depth}", blocks, name=f"chain{depth}{suffix[blocks]}")
+            key = (tuple(chain.paths), blocks)
             if key not in by_paths:
                 by_paths[key] = len(trees)
-                trees.append(Topology(t.paths, args.blocks, name=f"t{len(trees)}_{t.num_nodes}n"))
-            grown_of[task].append(by_paths[key])
-    chains = []  # top-1 chains of every depth, for reference (quadratic decoding's drafts)
-    for depth in range(1, k + 1):
-        chain = Topology(f"chain{depth}", args.blocks, name=f"chain{depth}")
-        if tuple(chain.paths) not in by_paths:
-            by_paths[tuple(chain.paths)] = len(trees)
-            trees.append(chain)
-        chains.append(by_paths[tuple(chain.paths)])
+                trees.append(chain)
+            chains.append(by_paths[key])
 
     target = subject.target
     mean_prompt = round(statistics.mean(c.prompt_len for cs in cals.values() for c in cs))
@@ -754,7 +769,7 @@ def main(argv=None) -> dict:
 
     report = {"backbone": args.backbone, "method": args.method, **subject.settings, "k": k,
               "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
-              "blocks": args.blocks, "max_new_tokens": args.max_new_tokens,
+              "blocks": ",".join(args.blocks), "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "top_p": args.top_p, "costs_ms": {n: round(1e3 * v, 3) for n, v in costs.items()},
               "tasks": {}, "command": "python eval/tree_frontier.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     bank_ids: set[int] = set()

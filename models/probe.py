@@ -33,13 +33,13 @@ import torch
 
 from mtpkit.models.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.heads import Method
-from mtpkit.models.trees import MaskTreeDrafting, TreeOptions
+from mtpkit.models.trees import MaskTreeDrafting, MaskTreeOptions
 
 INITS = ("mean", "hard", "sample")
 
 
 @dataclass
-class ProbeConfig(TreeOptions):
+class ProbeConfig(MaskTreeOptions):
     bc: int = 30
     """block complexity: input positions per forward (root + drafts + their masks)"""
     masks: int = 0
@@ -112,6 +112,9 @@ class ProbeDrafter(MaskTreeDrafting, Drafter):
             self.setup_trees(c, "probe")
             self.k = c.masks or max(self.trees[i].depth for i in self.schedule.trees)
             return
+        if c.blocks:
+            raise ValueError(f"probe blocks={c.blocks}: mask-block placement is for a rank tree (tree=chainN, rank "
+                             f"paths or a bank), not tree={c.tree}")
         self.k = c.masks or (1 if c.bc <= 30 else 2)
         if c.tree == "dynamic":
             self.branches = None

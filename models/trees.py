@@ -7,7 +7,11 @@ chain of two (the top-1 tokens), `[(0,), (1,), (0, 0)]` branches at the first po
 Mask-token drafters also attach a block of masks to some nodes (`blocks`; as many masks as the
 deepest tree in use has levels): the block after
 the deepest accepted node proposes the next step's draft, so a node without one ends the
-speculation after it is accepted (the next step drafts nothing); the root always has one.
+speculation after it is accepted (the next step drafts nothing, from the root's block alone).
+The placements: `chain` (the root and the top-1 path: quadratic decoding's blocks on a chain),
+`all`, `root`, `leaf` (the leaves only: linear decoding's single block after the last token on a
+chain; the root carries none, so a step that accepts no draft is followed by one that drafts
+nothing) or a list of nodes (the root always included).
 
 `TopologyBank` holds several topologies, each precompiled for a k-mask drafter once (parents of
 every step row, children lists, the tree attention layout the decoder builds its mask from), so
@@ -67,7 +71,7 @@ def children_of(parents: torch.Tensor | list[int], num_nodes: int) -> list[list[
     return children
 
 
-BLOCKS = ("chain", "all", "root")
+BLOCKS = ("chain", "all", "root", "leaf")
 SCHEDULES = ("static", "ladder", "hyst")
 
 
@@ -101,7 +105,9 @@ class Topology:
     """One draft tree: rank paths (parents before children) and the nodes carrying a mask block.
 
     blocks: "chain" = the root and every node of the top-1 path (0, 0, ...), "all" = every node,
-    "root" = the root only, or an explicit list of node indices (0 = root, j = paths[j - 1])."""
+    "root" = the root only, "leaf" = every node without children (the root alone for an empty
+    tree; on a chain, linear decoding's block), or an explicit list of node indices (0 = root,
+    j = paths[j - 1]; the root is always added)."""
     paths: list[tuple[int, ...]]
     blocks: str | list[int] = "chain"
     name: str = ""
@@ -120,6 +126,9 @@ class Topology:
                 nodes = range(len(self.paths) + 1)
             elif self.blocks == "chain":
                 nodes = [0] + [j for p, j in index.items() if not any(p)]
+            elif self.blocks == "leaf":
+                inner = {p[:-1] for p in self.paths}
+                nodes = [j for p, j in index.items() if p not in inner] or [0]
             else:
                 nodes = [0]
             self.block_nodes = sorted(nodes)
@@ -271,19 +280,23 @@ class TopologyBank:
         return self.compiled[i]
 
 
-def load_bank(spec: str, task: str | None = None) -> tuple[list[Topology], dict[str, dict]]:
+def load_bank(spec: str, task: str | None = None, blocks: str = "") -> tuple[list[Topology], dict[str, dict]]:
     """Topologies and schedules from `spec`: a bank file written by `eval/tree_frontier.py`
     (JSON: {"trees": [...], "schedules": {task: {name: schedule}}}), a file holding one tree's
     JSON list of rank paths, or one inline tree (a JSON list of rank paths, or `chainN`). Returns
-    (topologies, schedules of `task` or of the first task, {} for a single tree)."""
+    (topologies, schedules of `task` or of the first task, {} for a single tree). `blocks`: the
+    mask-block placement of a single tree ('' = chain); a bank's trees carry their own."""
     path = Path(spec)
+    single = blocks or "chain"
     if spec.endswith(".json") or path.is_file():
         if not path.is_file():
             raise ValueError(f"tree bank {spec}: no such file")
         try:
             data = json.loads(path.read_text())
             if isinstance(data, list):  # a file of one tree's rank paths
-                return [Topology(data)], {}
+                return [Topology(data, single)], {}
+            if blocks:
+                raise ValueError(f"blocks={blocks} is for a single tree; the bank's trees carry their own blocks")
             trees = [Topology(t["paths"], t.get("blocks", "chain"), t.get("name", "")) for t in data["trees"]]
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"tree bank {spec}: not a bank written by eval/tree_frontier.py ({e})") from None
@@ -292,7 +305,7 @@ def load_bank(spec: str, task: str | None = None) -> tuple[list[Topology], dict[
             raise ValueError(f"tree bank {spec}: no schedules for task {task!r} (has {sorted(schedules)})")
         chosen = schedules.get(task) if task else next(iter(schedules.values()), {})
         return trees, chosen or {}
-    return [Topology(spec)], {}
+    return [Topology(spec, single)], {}
 
 
 @dataclass
@@ -314,6 +327,15 @@ class TreeOptions:
     """schedule=static: the bank's tree to use (-1 = the task's calibrated static tree, or tree 0)"""
     log: str = ""
     """append one JSON line per verifier step (tree index, nodes, accepted, path value) to this file"""
+
+
+@dataclass
+class MaskTreeOptions(TreeOptions):
+    """`TreeOptions` of the mask-token drafters, whose trees carry mask blocks."""
+    blocks: str = ""
+    """mask-block placement of a single tree (tree=chainN or rank paths): chain (the root and the
+    top-1 path; quadratic decoding on a chain), all, root, or leaf (the leaves only; linear
+    decoding on a chain); '' = chain. A bank's trees carry their own"""
 
 
 def tree_schedule(options: TreeOptions, schedules: dict, n_trees: int, method: str) -> Schedule:
@@ -352,7 +374,7 @@ class MaskTreeDrafting:
         self.tree_options, self.tree_method = options, method
         self.trees, self.schedule, self.bank = None, None, None
         if options.tree:
-            self.trees, schedules = load_bank(options.tree, options.task or None)
+            self.trees, schedules = load_bank(options.tree, options.task or None, getattr(options, "blocks", ""))
             self.schedule = tree_schedule(options, schedules, len(self.trees), method)
 
     def begin_trees(self, masks: torch.Tensor) -> None:

@@ -41,14 +41,14 @@ from mtpkit.models.gated_lora.head import load_head
 from mtpkit.models.gated_lora.inference import to_inference
 from mtpkit.models.gated_lora.model import GatedMTP
 from mtpkit.models.generate import target_probs
-from mtpkit.models.trees import MaskTreeDrafting, TreeOptions, mask_blocks
+from mtpkit.models.trees import MaskTreeDrafting, MaskTreeOptions, mask_blocks
 
 DECODINGS = ("linear", "quadratic")
 DRAFTS = ("sample", "argmax")
 
 
 @dataclass
-class GatedLoRADraftConfig(TreeOptions):
+class GatedLoRADraftConfig(MaskTreeOptions):
     head: str = ""
     """head folder (train/export.py output or a checkpoint's head/)"""
     decoding: str = "quadratic"
@@ -66,7 +66,7 @@ class GatedLoRADraftConfig(TreeOptions):
     the argmax, verified as a one-hot proposal (argmax). Greedy decoding always takes the argmax"""
     seed: int = 0
     """seed of the drafter's own generator (drafts=sample under speculative sampling only)"""
-    # tree, schedule, task, index, log: `TreeOptions` (draft trees, mtpkit.models.trees)
+    # tree, schedule, task, index, log, blocks: `MaskTreeOptions` (draft trees, mtpkit.models.trees)
 
 
 class GatedLoRADrafter(MaskTreeDrafting, Drafter):

@@ -29,6 +29,9 @@ def test_topologies_from_paths():
     assert t.block_nodes == [0, 1]  # the root and (0,), the top-1 path
     assert Topology([[0, 1], [1]], blocks="all").block_nodes == [0, 1, 2, 3]
     assert t.rows(k=2) == 1 + 3 + 2 * 2
+    assert Topology([[0, 1], [1]], blocks="leaf").block_nodes == [2, 3]  # the leaves (1,) and (0, 1), no root
+    assert Topology("chain2", blocks="leaf").block_nodes == [2]  # linear decoding's block
+    assert Topology([], blocks="leaf").block_nodes == [0]  # an empty tree's only leaf is the root
     for bad, match in [("chainx", "chainN"), ("[[0], [-1]]", "non-negative"), ("[[0]", "JSON")]:
         with pytest.raises(ValueError, match=match):
             Topology(bad)
@@ -69,7 +72,8 @@ def _bank(tmp_path, trees, schedules=None) -> str:
 
 @pytest.mark.parametrize("tree,blocks,sampler", [("chain2", "chain", True), (BRANCHY, "chain", False),
                                                  (BRANCHY, "chain", True), (BRANCHY, "all", True),
-                                                 (BRANCHY, "root", False)])
+                                                 (BRANCHY, "root", False), ("chain2", "leaf", True),
+                                                 (BRANCHY, "leaf", False)])
 def test_greedy_trees_equal_ar_and_the_simulator_predicts_every_step(small, tmp_path, tree, blocks, sampler):
     """Greedy decoding with a tree is AR's output, drafts are accepted (at depth 2 too), and the
     simulator's rollout of the teacher-forced calibration takes exactly the decoder's steps."""
@@ -89,6 +93,45 @@ def test_greedy_trees_equal_ar_and_the_simulator_predicts_every_step(small, tmp_
     assert accepted[0] > 10 and accepted[1] > 3, accepted
     sim = tf.rollout(cals, [Topology(tree, blocks)], k=2)
     assert (sim.steps, sim.tokens) == (calls, 20 * len(PROMPTS))
+
+
+@pytest.mark.parametrize("blocks,decoding", [("leaf", "linear"), ("chain", "quadratic")])
+def test_a_chain_tree_decodes_as_the_chain_decoding(small, blocks, decoding):
+    """tree=chain2 with leaf blocks IS linear decoding (k = 2), with chain blocks quadratic
+    decoding: the same tokens, steps and acceptances, step by step (inline tree, blocks=)."""
+    head = close_head(small)
+    tree = GatedLoRADrafter(GatedLoRADraftConfig(tree="chain2", blocks=blocks, sampler=False), model=head)
+    chain = GatedLoRADrafter(GatedLoRADraftConfig(decoding=decoding, k=2, sampler=False), model=head)
+    target = Target(*tree.adapt(None, {}))
+    empty = 0
+    for prompt in PROMPTS:
+        drafts = {}
+        for name, drafter in (("tree", tree), ("chain", chain)):
+            propose, drafts[name] = drafter.propose, []
+            drafter.propose = lambda tokens, propose=propose, seen=drafts[name]: seen.append(propose(tokens)) or seen[-1]
+            got = decode(target, drafter, prompt, 20)
+            del drafter.propose
+            drafts[name + "_result"] = got
+        a, b = drafts["tree_result"], drafts["chain_result"]
+        assert a.tokens == b.tokens == decode(Target(small), Drafter(), prompt, 20).tokens
+        assert (a.target_calls, a.accept_counts) == (b.target_calls, b.accept_counts)
+        assert [d.tokens.tolist() for d in drafts["tree"]] == [d.tokens.tolist() for d in drafts["chain"]]
+        assert [len(d.extra_parents) for d in drafts["tree"]] == [len(d.extra_parents) for d in drafts["chain"]]
+        empty += sum(len(d.tokens) == 0 for d in drafts["tree"][1:])
+    assert (empty > 0) == (blocks == "leaf")  # linear: a step after a rejection drafts nothing
+
+
+def test_blocks_option_is_checked(small, tmp_path):
+    head = close_head(small)
+    with pytest.raises(ValueError, match="blocks must be one of"):
+        GatedLoRADrafter(GatedLoRADraftConfig(tree="chain2", blocks="leaves"), model=head)
+    with pytest.raises(ValueError, match="blocks=leaf is for a single tree"):
+        GatedLoRADrafter(GatedLoRADraftConfig(tree=_bank(tmp_path, [Topology("chain1")]), blocks="leaf"), model=head)
+    from mtpkit.models.probe import ProbeConfig, ProbeDrafter
+    with pytest.raises(ValueError, match="probe blocks=leaf: mask-block placement is for a rank tree"):
+        ProbeDrafter(ProbeConfig(blocks="leaf"))
+    with pytest.raises(SystemExit):
+        tf.parse_args(["--head", "x", "--data", "builtin:eval", "--out", "b.json", "--blocks", "chain,leaves"])
 
 
 @pytest.mark.parametrize("kind,device_path,value_depth", [("ladder", False, 0), ("hyst", False, 0), ("hyst", True, 0),
@@ -247,8 +290,9 @@ def test_tree_frontier_under_sampling(tmp_path):
     out = tmp_path / "bank.json"
     tf.main(["--backbone", "tiny-llama-random", "--head", str(tmp_path / "head"), "--data", "builtin:eval",
              "--per-category", "2", "--holdout", "1", "--max-new-tokens", "10", "--budgets", "1,2", "--rounds", "2",
-             "--temperature", "0.8", "--seed", "3", "--out", str(out)])
+             "--temperature", "0.8", "--seed", "3", "--blocks", "chain,leaf", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["temperature"] == 0.8 and saved["check"]["replay_exact"]
+    assert any(t["name"].endswith("_leaf") for t in saved["check"]["trees"])  # both placements searched
     assert all(r["replay_steps"] == r["decoded_steps"] > 4 for r in saved["check"]["trees"])
     assert "speculative sampling at T = 0.8" in out.with_suffix(".md").read_text()
