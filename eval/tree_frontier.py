@@ -564,9 +564,9 @@ def tokens_per_s(sim: Rollout, cals: list[Calibration], costs: dict, trees: list
 # ---- the bank ----
 
 def frontier(trees: list[Topology], values: list[float]) -> list[int]:
-    """Indices of the non-dominated trees: sorted by nodes, each kept only if its value (tokens/s,
-    or tau) is above every smaller tree's kept before it."""
-    order = sorted(range(len(trees)), key=lambda i: trees[i].num_nodes)
+    """Indices of the non-dominated trees: sorted by nodes (the better first among trees of as many
+    nodes), each kept only if its value (tokens/s, or tau) is above every smaller tree's kept before it."""
+    order = sorted(range(len(trees)), key=lambda i: (trees[i].num_nodes, -values[i]))  # a tie: the best first
     kept, best = [], 0.0
     for i in order:
         if values[i] > best:
@@ -603,7 +603,8 @@ def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: flo
     depth = Schedule("static", value_depth=value_depth).depth_of_value(max(trees[i].depth for i in task_trees))
     values = sorted(path_value(cal, j, depth) for cal in cals for j in range(cal.n))
     grid = sorted({values[int(q * (len(values) - 1))] for q in [i / 20 for i in range(1, 20)]})
-    ladder_trees = sorted(task_trees, key=lambda i: trees[i].num_nodes)
+    block = max(trees[i].depth for i in task_trees)  # small to large: nodes, then rows a step (placements differ)
+    ladder_trees = sorted(task_trees, key=lambda i: (trees[i].num_nodes, trees[i].rows(block)))
     if len(ladder_trees) >= 2:
         # thresholds one at a time, coordinate ascent from the quantiles
         thresholds = [values[int(len(values) * (i + 1) / len(ladder_trees))] for i in range(len(ladder_trees) - 1)]
@@ -615,7 +616,7 @@ def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: flo
                                                                        thresholds[:i] + [v] + thresholds[i + 1:],
                                                                        value_depth))[0])
         out["ladder"] = Schedule("ladder", ladder_trees, thresholds, value_depth)
-        pairs = [(a, b) for a in ladder_trees for b in ladder_trees if trees[a].num_nodes < trees[b].num_nodes]
+        pairs = [(a, b) for x, a in enumerate(ladder_trees) for b in ladder_trees[x + 1:]]  # conservative, aggressive
         best = max(((a, b, v) for a, b in pairs for v in grid),
                    key=lambda p: speed(Schedule("hyst", [p[0], p[1]], [ratio * p[2], p[2]], value_depth))[0])
         out["hyst"] = Schedule("hyst", [best[0], best[1]], [ratio * best[2], best[2]], value_depth)

@@ -217,6 +217,19 @@ def test_grown_trees_are_scored_and_the_frontier_is_non_dominated(small):
     assert kept == [0, 1, 3]
 
 
+def test_schedules_over_both_placements_of_one_size(small):
+    """The 1-node tree with chain blocks (4 rows a step at k = 1... 2) and with leaf blocks (linear
+    decoding): as many nodes, so the schedules order them by rows, and hyst pairs them."""
+    head = close_head(small)
+    cals = [tf.calibrate(head, p + decode(Target(small), Drafter(), p, 20).tokens, len(p), "t", False, max_rank=3)
+            for p in PROMPTS]
+    trees = [Topology("chain1", "leaf", name="leaf1"), Topology("chain1", "chain", name="chain1")]
+    costs = {"prefill": 1.0, "ar": 1.0, "none@1": 1.1, "leaf1@1": 1.2, "chain1@1": 1.4}
+    out = tf.calibrate_schedules(cals, trees, [1, 0], 2, costs, 0.8)
+    assert out["ladder"]["trees"] == [0, 1] and out["hyst"]["trees"] == [0, 1]  # leaf (3 rows) first
+    assert tf.frontier(trees, [2.0, 3.0]) == [1] and tf.frontier(trees, [3.0, 2.0]) == [0]  # a tie: the better
+
+
 def test_the_schedules_pool_keeps_the_fastest_trees():
     """A frontier longer than --pool-size (on a GPU more nodes keep paying): the pool keeps the
     fastest trees, so the best static tree is in it, not the smallest ones."""
