@@ -218,8 +218,8 @@ def test_grown_trees_are_scored_and_the_frontier_is_non_dominated(small):
 
 
 def test_schedules_over_both_placements_of_one_size(small):
-    """The 1-node tree with chain blocks (4 rows a step at k = 1... 2) and with leaf blocks (linear
-    decoding): as many nodes, so the schedules order them by rows, and hyst pairs them."""
+    """The 1-node tree with leaf blocks (linear decoding: 3 rows a step with 1-mask blocks) and with
+    chain blocks (4 rows): as many nodes, so the schedules order them by rows, and hyst pairs them."""
     head = close_head(small)
     cals = [tf.calibrate(head, p + decode(Target(small), Drafter(), p, 20).tokens, len(p), "t", False, max_rank=3)
             for p in PROMPTS]
