@@ -370,11 +370,11 @@ class MaskTreeDrafting:
     trees: list[Topology] | None = None
     tree_log = None
 
-    def setup_trees(self, options: TreeOptions, method: str) -> None:
+    def setup_trees(self, options: MaskTreeOptions, method: str) -> None:
         self.tree_options, self.tree_method = options, method
         self.trees, self.schedule, self.bank = None, None, None
         if options.tree:
-            self.trees, schedules = load_bank(options.tree, options.task or None, getattr(options, "blocks", ""))
+            self.trees, schedules = load_bank(options.tree, options.task or None, options.blocks)
             self.schedule = tree_schedule(options, schedules, len(self.trees), method)
 
     def begin_trees(self, masks: torch.Tensor) -> None:

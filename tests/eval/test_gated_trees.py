@@ -103,21 +103,22 @@ def test_a_chain_tree_decodes_as_the_chain_decoding(small, blocks, decoding):
     tree = GatedLoRADrafter(GatedLoRADraftConfig(tree="chain2", blocks=blocks, sampler=False), model=head)
     chain = GatedLoRADrafter(GatedLoRADraftConfig(decoding=decoding, k=2, sampler=False), model=head)
     target = Target(*tree.adapt(None, {}))
+    def run(drafter, prompt):  # the decode and every draft it proposed
+        proposed, propose = [], drafter.propose
+        drafter.propose = lambda tokens: proposed.append(propose(tokens)) or proposed[-1]
+        try:
+            return decode(target, drafter, prompt, 20), proposed
+        finally:
+            del drafter.propose
+
     empty = 0
     for prompt in PROMPTS:
-        drafts = {}
-        for name, drafter in (("tree", tree), ("chain", chain)):
-            propose, drafts[name] = drafter.propose, []
-            drafter.propose = lambda tokens, propose=propose, seen=drafts[name]: seen.append(propose(tokens)) or seen[-1]
-            got = decode(target, drafter, prompt, 20)
-            del drafter.propose
-            drafts[name + "_result"] = got
-        a, b = drafts["tree_result"], drafts["chain_result"]
+        (a, a_drafts), (b, b_drafts) = run(tree, prompt), run(chain, prompt)
         assert a.tokens == b.tokens == decode(Target(small), Drafter(), prompt, 20).tokens
         assert (a.target_calls, a.accept_counts) == (b.target_calls, b.accept_counts)
-        assert [d.tokens.tolist() for d in drafts["tree"]] == [d.tokens.tolist() for d in drafts["chain"]]
-        assert [len(d.extra_parents) for d in drafts["tree"]] == [len(d.extra_parents) for d in drafts["chain"]]
-        empty += sum(len(d.tokens) == 0 for d in drafts["tree"][1:])
+        assert [d.tokens.tolist() for d in a_drafts] == [d.tokens.tolist() for d in b_drafts]
+        assert [len(d.extra_parents) for d in a_drafts] == [len(d.extra_parents) for d in b_drafts]
+        empty += sum(len(d.tokens) == 0 for d in a_drafts[1:])
     assert (empty > 0) == (blocks == "leaf")  # linear: a step after a rejection drafts nothing
 
 
