@@ -66,8 +66,8 @@ from mtpkit.models.backbone import (DEFAULT_BACKBONE, add_device_args, eos_token
                                     resolve_device, resolve_dtype)
 from mtpkit.models.drafter import StockAR
 from mtpkit.models.heads import field_docs, write_atomic
-from mtpkit.models.kernel_plan import tune
-from mtpkit.models.packed_linear import LINEARS, onednn_available, pack_linears, packable
+from mtpkit.models.kernel_plan import pack_targets
+from mtpkit.models.packed_linear import LINEARS, onednn_available, packable
 from mtpkit.models.registry import METHODS
 
 
@@ -302,15 +302,14 @@ def build(args, device: torch.device, dtype: torch.dtype) -> Setup:
             except (ValueError, FileNotFoundError) as e:
                 sys.exit(f"bench: --methods {spec}: {e}")
     # packed only now: adapters (peft) wrap plain nn.Linear layers, and every method's target
-    # (the shared model and each adapted copy) gets the same kernels
+    # (the shared model and each adapted copy) is packed; plain copies take the model's kernel plan, gated
+    # copies a plan timed on themselves (`tune`)
     stock = {id(a[0]) for spec, a in adapted.items() if isinstance(drafters[spec], StockAR)}
     # transformers' generate runs on the untouched model (what a user of transformers gets)
     hf_model = next((a[0] for spec, a in adapted.items() if isinstance(drafters[spec], StockAR)), model)
     distinct = {id(model): model, **{id(a[0]): a[0] for a in adapted.values()}}
     to_pack = [m for m in distinct.values() if id(m) not in stock]
-    for m in to_pack:
-        pack_linears(m, args.linear, fuse=bool(args.fuse))
-    kernels = tune(model, [m for m in to_pack if m is not model], retune=args.retune) if args.linear == "auto" else None
+    kernels = pack_targets(model, [m for m in to_pack if m is not model], args.linear, bool(args.fuse), args.retune)
     targets = {spec: Target(*a, prefetch_rows=args.prefetch_rows) for spec, a in adapted.items()}
     return Setup(dtype, model, tokenizer, eos_token_ids(model, tokenizer), drafters, targets, hf_model, kernels)
 
@@ -383,6 +382,9 @@ def main(argv=None) -> dict:
         if setup.kernels is not None:
             results["kernels"] = {k: setup.kernels[k] for k in ("machine", "rows", "plans", "measured_at", "load",
                                                                 "cached")}
+            if setup.kernels.get("adapted"):  # the gated-LoRA copies' own plans
+                results["kernels"]["adapted"] = [{k: a[k] for k in ("model", "plans", "measured_at", "load", "cached")}
+                                                 for a in setup.kernels["adapted"]]
         by_dtype[name] = results
     if len(by_dtype) == 1:
         results = by_dtype[next(iter(by_dtype))]

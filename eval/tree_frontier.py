@@ -54,7 +54,9 @@ rollout, a throughput frontier, static / ladder / hysteresis schedules).
 4. Throughput: tokens/s = tokens / (prefill + sum of step costs), the step cost of a tree being
    the measured median time of its own verifier forward (root + drafts + masks, gate on the
    masks, LM head on the rows the decoder computes) on a `--cache-len` cache on this machine,
-   interleaved with the empty step and plain AR's 1-row step; prefill measured on the mean prompt;
+   interleaved with the empty step and plain AR's 1-row step, on the kernels `eval/bench.py` decodes
+   with (`--linear`, default auto: the per-machine kernel plan, the gated copy's its own);
+   prefill measured on the mean prompt;
    plus the drafting of the tree from a block of that forward's outputs (the drafter's own
    `candidates`: top-k reads, sampler calls, mask rows' LM head where the forward skipped it).
    The rest of a step (the path value, the verifier's bookkeeping) is not in it: `eval/bench.py`
@@ -102,6 +104,8 @@ from mtpkit.models.backbone import DEFAULT_BACKBONE, add_device_args, eos_token_
 from mtpkit.models.drafter import Drafter
 from mtpkit.models.gated_lora.head import load_head
 from mtpkit.models.heads import write_atomic
+from mtpkit.models.kernel_plan import pack_targets
+from mtpkit.models.packed_linear import LINEARS
 from mtpkit.models.trees import BLOCKS, Schedule, Topology, compile_topology
 
 MISS = 1 << 20  # rank of a true token outside the head's top `--max-rank` (or past the end)
@@ -530,6 +534,24 @@ def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: i
     return {name: statistics.median(v[1:]) for name, v in times.items()}  # the first round warms up
 
 
+def kernel_summary(record: dict | None) -> dict | None:
+    """The kernel plans the step costs were timed on (`pack_targets`' record): the target's and
+    the gated copies'."""
+    if record is None:
+        return None
+    return {"plans": record["plans"], "adapted": [a["plans"] for a in record.get("adapted", [])],
+            "measured_at": record["measured_at"]}
+
+
+def kernels_line(report: dict) -> str:
+    """How the step costs' products ran, in words."""
+    linear = report.get("linear", "stock")
+    if linear == "auto" and report.get("kernels"):
+        return "the kernel plan of this machine" + (" (the gated copy's own)" if report["kernels"]["adapted"] else "")
+    return {"auto": "torch's layers (nothing packed)", "stock": "torch's layers",
+            "onednn": "oneDNN for every product"}[linear]
+
+
 def switch_cost(bank: list[Topology], k: int, cache_len: int, dtype, reps: int = 200) -> dict:
     """Microseconds per step, median over `reps` steps cycling through the bank: choosing a tree
     (`TopologyBank.get`), the step's attention inputs from its precompiled layout, and the same
@@ -685,6 +707,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pool-size", type=int, default=4, help="at most this many trees per task for the schedules")
     p.add_argument("--cache-len", type=int, default=200, help="KV-cache length the step costs are timed on")
     p.add_argument("--rounds", type=int, default=7, help="timing rounds of the step costs (median; first is warm-up)")
+    p.add_argument("--linear", choices=LINEARS, default="auto",
+                   help="the targets' linear layers, as eval/bench.py --linear (price the trees on the kernels the "
+                        "bench will decode with): auto = the per-machine kernel plan, onednn, stock = torch's layers "
+                        "(default: %(default)s)")
+    p.add_argument("--retune", action="store_true",
+                   help="with --linear auto: measure the kernel plans again (and cache them)")
     p.add_argument("--out", required=True, help="the bank (.json); .md and .png beside it")
     add_device_args(p)  # the step costs are this device's: a bank is chosen for the machine that serves it
     args = p.parse_args(argv)
@@ -771,7 +799,8 @@ def main(argv=None) -> dict:
     report = {"backbone": args.backbone, "method": args.method, **subject.settings, "k": k,
               "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
               "blocks": ",".join(args.blocks), "max_new_tokens": args.max_new_tokens,
-              "temperature": args.temperature, "top_p": args.top_p, "costs_ms": {n: round(1e3 * v, 3) for n, v in costs.items()},
+              "temperature": args.temperature, "top_p": args.top_p, "linear": args.linear,
+              "kernels": kernel_summary(args.kernels), "costs_ms": {n: round(1e3 * v, 3) for n, v in costs.items()},
               "tasks": {}, "command": "python eval/tree_frontier.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     bank_ids: set[int] = set()
     task_frontiers = {}
@@ -854,7 +883,9 @@ def gated_subject(args, base) -> Subject:
     except ValueError as e:
         sys.exit(f"tree_frontier: --sampler {args.sampler}: {e}")
     sampler = plain.use_sampler
-    target = Target(*plain.adapt(None, {}))
+    adapted = plain.adapt(None, {})
+    args.kernels = pack_targets(base, [adapted[0]], args.linear, retune=args.retune)  # `model` (calibration) stays as trained
+    target = Target(*adapted)
 
     def drafter(bank: str, index: int):  # decodes on the same adapted copy, so on `target`
         return GatedLoRADrafter(GatedLoRADraftConfig(tree=bank, index=index, sampler=args.sampler),
@@ -871,6 +902,7 @@ def probe_subject(args, base) -> Subject:
 
     k = args.masks or 3
     options = dict(masks=k, init=args.init, lam=args.lam)
+    args.kernels = pack_targets(base, (), args.linear, retune=args.retune)
     plain = Target(base)
     probe = ProbeDrafter(ProbeConfig(tree=f"chain{k}", **options))
 
@@ -892,6 +924,7 @@ def mtpc_subject(args, base) -> Subject:
     depth = args.max_depth or min(8, model.cfg.n)
     if not 0 < depth <= model.cfg.n:
         sys.exit(f"tree_frontier: --max-depth {depth}: the head's window is {model.cfg.n}")
+    args.kernels = pack_targets(base, (), args.linear, retune=args.retune)
     target = Target(base)
     timed: dict[str, MTPCDrafter] = {}
 
@@ -991,7 +1024,7 @@ def markdown(report: dict) -> str:
              f"blocks = {report['blocks']}, as many masks per block as the tree has levels")
     lines = [f"Draft trees of {report['head']} on {report['backbone']} (k = {report['k']}, "
              f"{head}, {shape}); simulated {decoding}, step costs measured on "
-             f"{report.get('device', 'cpu')} in {report.get('dtype', 'float32')} (ms: AR "
+             f"{report.get('device', 'cpu')} in {report.get('dtype', 'float32')} on {kernels_line(report)} (ms: AR "
              f"{report['costs_ms']['ar']}, prefill {report['costs_ms']['prefill']})", "",
              "Per-step cost of a tree switch (median us): choosing the tree {choose_tree_us}, its attention mask from "
              "the bank's precompiled layout {mask_from_bank_us}, the same mask with the layout rebuilt "

@@ -13,6 +13,13 @@ every group (`PackedGroup.plan`) of the model and of every other target given (a
 it). A row count between two measured ones takes the choice of the lower one; above the last,
 the last one's.
 
+A gated-LoRA copy (groups carrying a gate) gets a plan of its own, timed on the copy with its
+adapter on for the last `gated_rows(m)` rows of every step (about a third: linear decoding with
+k = 1 verifies 3 rows, one of them a mask): its products are wider (the A rows ride along) and
+every gated group adds an addmm, which moves the best kernel. On SmolLM2-135M here, 3 rows with
+one gated: 48.5 ms on the plain model's plan (torch's own layers, so 2 extra products per LoRA
+module) against 46.7 ms on the fused `linear` kernel.
+
 The result is cached per machine (CPU model, core and thread count, torch build), model (class,
 shapes) and dtype under `$MTPKIT_KERNEL_CACHE` (default `$MTPKIT_CACHE/kernels`), so only the
 first run on a machine pays the half minute of timing; `retune=True` (`--retune` in the bench
@@ -36,7 +43,7 @@ from torch import nn
 
 from mtpkit.models.backbone import cache_dir
 from mtpkit.models.heads import write_atomic
-from mtpkit.models.packed_linear import KERNELS, PackedGroup, PackedLinear
+from mtpkit.models.packed_linear import KERNELS, PackedGroup, PackedLinear, pack_linears
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64)  # row counts timed (steps, trees, prefill)
 REPS = 7  # timed rounds per (row count, kernel pair); the first is warm-up
@@ -80,9 +87,26 @@ def machine_info() -> dict:
 
 
 def model_info(model: nn.Module) -> dict:
+    """What decides the plan of `model`: its class, dtype, the shapes of its groups and (a gated
+    copy) the LoRA width of each gated group."""
     classes = groups_of(model)
-    return {"class": type(model).__name__, "dtype": str(model.get_input_embeddings().weight.dtype).removeprefix("torch."),
+    info = {"class": type(model).__name__, "dtype": str(model.get_input_embeddings().weight.dtype).removeprefix("torch."),
             "groups": {c: sorted({(g.out_features, g.weights[0].shape[1]) for g in gs}) for c, gs in classes.items()}}
+    lora = sorted({(g.out_features, g.weights[0].shape[1], sum(At.shape[1] for At, _ in g.lora))
+                   for gs in classes.values() for g in gs if g.lora})
+    if lora:
+        info["lora"] = lora
+    return info
+
+
+def gate_of(model: nn.Module):
+    """The gate of a gated-LoRA copy's packed groups (`Gate`), or None for a plain model."""
+    return next((g.gate for gs in groups_of(model).values() for g in gs if g.gate is not None), None)
+
+
+def gated_rows(m: int) -> int:
+    """How many of a timed m-row step's rows (the last ones) a gated copy's adapter is on for."""
+    return -(-m // 3)
 
 
 def _key(info: dict) -> str:
@@ -156,7 +180,10 @@ def measure(model: nn.Module, rows=ROWS, reps: int = REPS, cache_len: int = CACH
     (the body forward, then the LM head on every new row, as the decoder's prefetch computes
     it) under every `body/head` kernel pair, per row count. Whole steps, not products alone:
     a product's cost alone misses what it does to the rest of the step (a fused product's
-    outputs are strided views, caches are shared). Restores the plans."""
+    outputs are strided views, caches are shared). A gated-LoRA copy is timed with its adapter on
+    for the last `gated_rows(m)` rows. Restores the plans."""
+    import contextlib
+
     from transformers import DynamicCache
 
     classes = groups_of(model)
@@ -166,6 +193,7 @@ def measure(model: nn.Module, rows=ROWS, reps: int = REPS, cache_len: int = CACH
     vocab = model.get_input_embeddings().weight.shape[0]
     device = model.get_input_embeddings().weight.device
     gen = torch.Generator().manual_seed(0)
+    gate = gate_of(model)
     cache = DynamicCache()
     body(input_ids=torch.randint(0, vocab, (1, cache_len), generator=gen).to(device), past_key_values=cache,
          use_cache=True)
@@ -176,8 +204,11 @@ def measure(model: nn.Module, rows=ROWS, reps: int = REPS, cache_len: int = CACH
             g.plan = (b,)
         for g in classes["head"]:
             g.plan = (h,)
+        m = x.shape[1]
+        on = contextlib.nullcontext() if gate is None else gate(torch.arange(m)[None] >= m - gated_rows(m))
         t0 = time.perf_counter()
-        head(body(input_ids=x, past_key_values=cache, use_cache=True).last_hidden_state)
+        with on:
+            head(body(input_ids=x, past_key_values=cache, use_cache=True).last_hidden_state)
         seconds = time.perf_counter() - t0
         cache.crop(-x.shape[1])  # back to the cache_len tokens
         return seconds
@@ -211,12 +242,18 @@ def measure(model: nn.Module, rows=ROWS, reps: int = REPS, cache_len: int = CACH
 
 def tune(model: nn.Module, others=(), *, rows=ROWS, reps: int = REPS, cache_len: int = CACHE_LEN,
          retune: bool = False, log=None) -> dict | None:
-    """Set on `model` and every model in `others` the plan measured for `model` on this machine
-    (cached; `retune` measures again). Returns the record (machine, model, rows, median_ms, plans,
-    load, cached), or None if `model` has no packed group."""
+    """Set on `model` and every plain model in `others` the plan measured for `model` on this
+    machine, and on every gated-LoRA copy in `others` the plan measured for that copy (each cached;
+    `retune` measures again). Returns the record of `model` (machine, model, rows, median_ms, plans,
+    load, cached; `adapted`: the gated copies' records, if any), or None if `model` has no packed
+    group."""
     if not any(groups_of(model).values()):
         return None
     log = log or (lambda msg: print(f"[kernels] {msg}", file=sys.stderr))
+    adapted = [tune(m, rows=rows, reps=reps, cache_len=cache_len, retune=retune, log=log)
+               for m in others if gate_of(m) is not None]
+    others = [m for m in others if gate_of(m) is None]
+    what = "a gated-LoRA copy" if gate_of(model) is not None else "the model"
     path = cache_path(model)
     record = None
     if path.is_file() and not retune:
@@ -234,10 +271,10 @@ def tune(model: nn.Module, others=(), *, rows=ROWS, reps: int = REPS, cache_len:
             record = None
     if record is not None:
         record["cached"] = True
-        log(f"plan from {path} (measured {record['measured_at']}; --retune measures again)")
+        log(f"plan of {what} from {path} (measured {record['measured_at']}; --retune measures again)")
     else:
-        log(f"timing {' and '.join(KERNELS)} for {len(rows)} row counts on this machine (once per machine, model "
-            f"and dtype; cached in {path})")
+        log(f"timing {' and '.join(KERNELS)} for {len(rows)} row counts on {what} on this machine (once per "
+            f"machine, model and dtype; cached in {path})")
         median_ms = measure(model, rows, reps, cache_len, progress=True)
         load = os.getloadavg()[0]
         record = {"format": FORMAT, "machine": machine_info(), "model": model_info(model), "rows": list(rows),
@@ -252,7 +289,23 @@ def tune(model: nn.Module, others=(), *, rows=ROWS, reps: int = REPS, cache_len:
         record["cached"] = False
     for m in (model, *others):
         set_plans(m, {c: tuple(p) for c, p in record["plans"].items()})
+    if adapted:
+        record = {**record, "adapted": adapted}
     return record
+
+
+def pack_targets(model: nn.Module, others=(), linear: str = "auto", fuse: bool = True, retune: bool = False,
+                 log=None) -> dict | None:
+    """Pack `model` and every other target in `others` (adapted copies of it) for decoding
+    (`pack_linears`) and, with `linear="auto"`, give each its kernel plan (`tune`). Returns tune's
+    record, or None (`linear` stock or onednn, or nothing packed: a GPU). Call it once every
+    adapter is attached and before building the decoder's `Target`s."""
+    distinct = {id(model): model, **{id(m): m for m in others}}
+    for m in distinct.values():
+        pack_linears(m, linear, fuse=fuse)
+    if linear != "auto":
+        return None
+    return tune(model, [m for m in distinct.values() if m is not model], retune=retune, log=log)
 
 
 def plan_table(record: dict) -> str:

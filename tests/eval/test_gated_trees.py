@@ -255,10 +255,11 @@ def test_bad_tree_options_are_clear(small, tmp_path):
         drafter.begin(None, [1])
 
 
-def test_tree_frontier_and_bench_end_to_end(tmp_path):
+def test_tree_frontier_and_bench_end_to_end(tmp_path, monkeypatch):
     """eval/tree_frontier.py on the tiny backbone writes a bank (trees, per-task schedules, step
-    costs, switch costs, the held-out check), its table and plot; the bench then decodes with the
-    bank's trees, outputs identical to AR."""
+    costs on the packed kernels the bench decodes with, the gated copy on its own plan, switch
+    costs, the held-out check), its table and plot; the bench then decodes with the bank's trees,
+    outputs identical to AR."""
     import copy
 
     from mtpkit.eval import bench
@@ -267,6 +268,7 @@ def test_tree_frontier_and_bench_end_to_end(tmp_path):
 
     base, _ = load_backbone("tiny-llama-random")
     save_head(GatedMTP(copy.deepcopy(base), GatedLoRAConfig(k=2, rank=4)), tmp_path / "head", "tiny-llama-random")
+    monkeypatch.setattr("mtpkit.models.packed_linear.MIN_PACK", 0)  # the tiny model's layers get packed too
     out = tmp_path / "trees" / "bank.json"
     report = tf.main(["--backbone", "tiny-llama-random", "--head", str(tmp_path / "head"), "--data", "builtin:eval",
                       "--per-category", "3", "--holdout", "1", "--max-new-tokens", "12", "--budgets", "1,2",
@@ -277,6 +279,8 @@ def test_tree_frontier_and_bench_end_to_end(tmp_path):
     checked = [t["name"] for t in saved["check"]["trees"]]
     assert saved["check"]["prompts"] == 4 and {t["name"] for t in saved["trees"]} <= set(checked)
     assert saved["check"]["matches_ar"] and saved["device"] == "cpu" and saved["dtype"] == "float32"
+    assert saved["linear"] == "auto" and len(saved["kernels"]["adapted"]) == 1  # the gated copy's own plan
+    assert "on the kernel plan of this machine (the gated copy's own)" in out.with_suffix(".md").read_text()
     assert len(checked) == 2  # every searched tree (t0_1n, t1_2n; chain1 and chain2 are those), up to 6
     assert set(saved["switch_cost"]) == {"choose_tree_us", "mask_from_bank_us", "mask_rebuilt_us"}
     assert {f"draft:{t['name']}@2" for t in saved["trees"]} <= set(saved["costs_ms"])  # drafting is priced

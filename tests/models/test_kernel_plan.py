@@ -89,3 +89,53 @@ def test_tune_measures_once_per_machine_model_and_dtype_and_sets_every_target(pa
 
 def test_tune_leaves_an_unpacked_model_alone(tiny):
     assert tune(tiny[0]) is None
+
+
+@pytest.fixture
+def gated_copy(tiny, tmp_path, monkeypatch):
+    """A packed gated-LoRA copy of the tiny backbone (the lean decoding form) and the copy's gate."""
+    from mtpkit.models.gated_lora import load_head, save_head, to_inference
+    from tests.models.test_gated_lora import make_gated
+
+    monkeypatch.setattr("mtpkit.models.packed_linear.MIN_PACK", 0)
+    save_head(make_gated(copy.deepcopy(tiny[0]), k=3, rank=4, seed=11), tmp_path / "head", "tiny-llama-random")
+    lean = to_inference(load_head(tmp_path / "head", copy.deepcopy(tiny[0])))
+    body = lean.peft.get_base_model()
+    pack_linears(body, "onednn")
+    return body, lean.gate
+
+
+@torch.no_grad()
+def test_a_gated_copy_is_timed_with_its_adapter_on(gated_copy, monkeypatch):
+    body, gate = gated_copy
+    assert kernel_plan.gate_of(body) is gate
+    assert [kernel_plan.gated_rows(m) for m in (1, 2, 3, 4, 6, 7)] == [1, 1, 1, 2, 2, 3]
+    seen = []  # (rows of the forward, gated rows) of every timed step
+    head = body.get_output_embeddings()
+    monkeypatch.setattr(head, "forward", lambda h, f=head.forward: seen.append(
+        (h.shape[1], None if gate.rows is None else gate.rows.tolist())) or f(h))
+    measure(body, rows=(1, 3, 4), reps=2, cache_len=8)
+    steps = [s for s in seen if s[0] in (3, 4)]
+    assert steps and all(rows == list(range(m - kernel_plan.gated_rows(m), m)) for m, rows in steps)
+    assert gate.rows is None  # the gate is off again after timing
+
+
+def test_tune_gives_a_gated_copy_a_plan_of_its_own(packed_tiny, gated_copy, monkeypatch, tmp_path):
+    body, gate = gated_copy
+    monkeypatch.setenv("MTPKIT_KERNEL_CACHE", str(tmp_path))
+    plain = {"stock/stock": {1: 1.0, 4: 9.0}, "onednn/onednn": {1: 3.0, 4: 5.0}}
+    gated = {"stock/stock": {1: 2.0, 4: 9.0}, "linear/stock": {1: 1.0, 4: 9.0}, "onednn/onednn": {1: 3.0, 4: 5.0}}
+    timed = []
+    monkeypatch.setattr(kernel_plan, "measure", lambda model, rows, *a, **k: timed.append(model) or (
+        gated if kernel_plan.gate_of(model) is not None else plain))
+    plain_copy = copy.deepcopy(packed_tiny)
+    record = tune(packed_tiny, [plain_copy, body], rows=(1, 4))
+    assert timed == [body, packed_tiny]  # the plain copy takes the model's plan, untimed
+    assert kernel_plan.cache_path(body) != kernel_plan.cache_path(packed_tiny)  # the LoRA width is in the key
+    assert record["plans"]["body"] == ["stock"] * 3 + ["onednn"]
+    assert record["adapted"][0]["plans"]["body"] == ["linear"] * 3 + ["onednn"]
+    assert all(g.plan == ("stock", "stock", "stock", "onednn") for g in groups_of(plain_copy)["body"])
+    assert all(g.plan == ("linear", "linear", "linear", "onednn") for g in groups_of(body)["body"])
+    # both cached: a second run times nothing
+    record = tune(packed_tiny, [body], rows=(1, 4))
+    assert len(timed) == 2 and record["cached"] and record["adapted"][0]["cached"]
