@@ -15,10 +15,10 @@ the last one's.
 
 A gated-LoRA copy (groups carrying a gate) gets a plan of its own, timed on the copy with its
 adapter on for the last `gated_rows(m)` rows of every step (about a third: linear decoding with
-k = 1 verifies 3 rows, one of them a mask): its products are wider (the A rows ride along) and
-every gated group adds an addmm, which moves the best kernel. On SmolLM2-135M here, 3 rows with
-one gated: 48.5 ms on the plain model's plan (torch's own layers, so 2 extra products per LoRA
-module) against 46.7 ms on the fused `linear` kernel.
+k = 1 verifies 3 rows, one of them a mask): its products are wider (the A rows ride along), and
+on torch's own layers every gated linear adds 2 small products where a fused group adds one
+addmm, so its best kernel per row count can differ from the plain model's. (On SmolLM2-135M with a
+rank-16 head on a 2-core Xeon it came out the same: torch's layers up to 3 rows, oneDNN from 4.)
 
 The result is cached per machine (CPU model, core and thread count, torch build), model (class,
 shapes) and dtype under `$MTPKIT_KERNEL_CACHE` (default `$MTPKIT_CACHE/kernels`), so only the
