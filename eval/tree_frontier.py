@@ -800,7 +800,7 @@ def main(argv=None) -> dict:
               "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
               "blocks": ",".join(args.blocks), "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "top_p": args.top_p, "linear": args.linear,
-              "kernels": kernel_summary(args.kernels), "costs_ms": {n: round(1e3 * v, 3) for n, v in costs.items()},
+              "kernels": kernel_summary(subject.kernels), "costs_ms": {n: round(1e3 * v, 3) for n, v in costs.items()},
               "tasks": {}, "command": "python eval/tree_frontier.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     bank_ids: set[int] = set()
     task_frontiers = {}
@@ -865,6 +865,8 @@ class Subject:
     settings: dict
     masks: bool = True
     """whether a step carries mask blocks (False: MTPC, whose next tree comes from the last state)"""
+    kernels: dict | None = None
+    """`pack_targets`' record: the kernel plans the targets were packed and tuned with (None: none)"""
     chains_only: bool = False
     """only chains are simulated (MTPC under sampling, `rollout_sampled`): no tree growth"""
 
@@ -884,7 +886,7 @@ def gated_subject(args, base) -> Subject:
         sys.exit(f"tree_frontier: --sampler {args.sampler}: {e}")
     sampler = plain.use_sampler
     adapted = plain.adapt(None, {})
-    args.kernels = pack_targets(base, [adapted[0]], args.linear, retune=args.retune)  # `model` (calibration) stays as trained
+    kernels = pack_targets(base, [adapted[0]], args.linear, retune=args.retune)  # `model` (calibration) stays as trained
     target = Target(*adapted)
 
     def drafter(bank: str, index: int):  # decodes on the same adapted copy, so on `target`
@@ -894,7 +896,7 @@ def gated_subject(args, base) -> Subject:
     return Subject(model.config.k,
                    lambda ids, P, task: calibrate(model, ids, P, task, sampler, args.max_rank),
                    target, drafter, plain.candidates,
-                   {"head": args.head, "sampler": sampler})
+                   {"head": args.head, "sampler": sampler}, kernels=kernels)
 
 
 def probe_subject(args, base) -> Subject:
@@ -902,7 +904,7 @@ def probe_subject(args, base) -> Subject:
 
     k = args.masks or 3
     options = dict(masks=k, init=args.init, lam=args.lam)
-    args.kernels = pack_targets(base, (), args.linear, retune=args.retune)
+    kernels = pack_targets(base, (), args.linear, retune=args.retune)
     plain = Target(base)
     probe = ProbeDrafter(ProbeConfig(tree=f"chain{k}", **options))
 
@@ -911,7 +913,7 @@ def probe_subject(args, base) -> Subject:
 
     return Subject(k, lambda ids, P, task: calibrate_probe(plain, probe, ids, P, task, args.max_rank),
                    plain, drafter, probe.candidates,
-                   {"head": f"probe (init {args.init}, lambda {args.lam})", "sampler": False})
+                   {"head": f"probe (init {args.init}, lambda {args.lam})", "sampler": False}, kernels=kernels)
 
 
 def mtpc_subject(args, base) -> Subject:
@@ -924,7 +926,7 @@ def mtpc_subject(args, base) -> Subject:
     depth = args.max_depth or min(8, model.cfg.n)
     if not 0 < depth <= model.cfg.n:
         sys.exit(f"tree_frontier: --max-depth {depth}: the head's window is {model.cfg.n}")
-    args.kernels = pack_targets(base, (), args.linear, retune=args.retune)
+    kernels = pack_targets(base, (), args.linear, retune=args.retune)
     target = Target(base)
     timed: dict[str, MTPCDrafter] = {}
 
@@ -944,7 +946,7 @@ def mtpc_subject(args, base) -> Subject:
     return Subject(depth, lambda ids, P, task: calibrate_mtpc(model, target, ids, P, task, depth, args.max_rank,
                                                               temperature=args.temperature, top_p=args.top_p),
                    target, drafter, candidates, {"head": args.head, "sampler": False, "arch": model.cfg.arch},
-                   masks=False, chains_only=args.temperature > 0)
+                   masks=False, chains_only=args.temperature > 0, kernels=kernels)
 
 
 SUBJECTS = {"gated_lora": gated_subject, "probe": probe_subject, "mtpc": mtpc_subject}

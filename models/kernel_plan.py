@@ -28,6 +28,7 @@ scripts) measures again. `eval/bench_forward.py` prints the table a plan came fr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -182,8 +183,6 @@ def measure(model: nn.Module, rows=ROWS, reps: int = REPS, cache_len: int = CACH
     a product's cost alone misses what it does to the rest of the step (a fused product's
     outputs are strided views, caches are shared). A gated-LoRA copy is timed with its adapter on
     for the last `gated_rows(m)` rows. Restores the plans."""
-    import contextlib
-
     from transformers import DynamicCache
 
     classes = groups_of(model)
@@ -250,9 +249,9 @@ def tune(model: nn.Module, others=(), *, rows=ROWS, reps: int = REPS, cache_len:
     if not any(groups_of(model).values()):
         return None
     log = log or (lambda msg: print(f"[kernels] {msg}", file=sys.stderr))
-    adapted = [tune(m, rows=rows, reps=reps, cache_len=cache_len, retune=retune, log=log)
-               for m in others if gate_of(m) is not None]
-    others = [m for m in others if gate_of(m) is None]
+    gated = [m for m in others if gate_of(m) is not None]  # each timed on its own
+    others = [m for m in others if all(m is not g for g in gated)]
+    adapted = [tune(m, rows=rows, reps=reps, cache_len=cache_len, retune=retune, log=log) for m in gated]
     what = "a gated-LoRA copy" if gate_of(model) is not None else "the model"
     path = cache_path(model)
     record = None
