@@ -65,7 +65,12 @@ rollout, a throughput frontier, static / ladder / hysteresis schedules).
    nodes only if a higher tau) within --pool-speed of the fastest tree form the pool of the
    schedules, and the bank holds every task's pool: static (the fastest tree), ladder (the pool,
    small to large, thresholds swept), hyst (a conservative and an aggressive tree of the pool,
-   tau_on swept, tau_off = --hyst-ratio x tau_on).
+   tau_on swept from 0, always aggressive, to above every path value, never: a switch that pays
+   on no threshold leaves hyst on its conservative tree; tau_off = --hyst-ratio x tau_on).
+   Greedy mask drafters also get the future-known bound (`oracle`): the fastest any schedule over
+   the pool could be, each step's tree chosen knowing every tree's accept length there, and the
+   same with plain AR steps allowed; how far the schedules are from it says how much a better
+   run-time signal could still gain.
 5. `--holdout N`: the last N prompts of each task are kept out of 1-4; every bank tree is then
    decoded on them through the real decoder (greedy, outputs checked against AR) and its decoded
    tau compared with the simulated one (the error is reported and written to the bank). Under
@@ -613,6 +618,50 @@ def schedule_pool(trees: list[Topology], speeds: list[float], taus: list[float],
     return kept, sorted(pool, key=lambda i: trees[i].num_nodes)
 
 
+NEVER = 2.0
+"""a hyst tau_on above every path value (a product of probabilities): the schedule never switches on"""
+
+
+def oracle(cals: list[Calibration], trees: list[Topology], pool: list[int], costs: dict,
+           ar_steps: bool = False) -> dict | None:
+    """The best any schedule over `pool` could do on `cals`: every step's choice made knowing the
+    future (the accept length of every tree at every anchor), by dynamic programming over (anchor,
+    whether a mask block drafted it) on the simulator's steps and `costs`. A step may use a pool
+    tree, ignore its draft (the root's block alone), or with `ar_steps` be a plain AR step (no
+    draft and no block: the next step drafts nothing). A schedule's deepest tree sets its block,
+    so the bound is the best over blocks D of the pool's trees at most D deep on D-mask blocks.
+    An upper bound of every schedule's simulated tokens/s, not a policy (it reads the future).
+    None for MTPC and under sampling (greedy mask drafters only)."""
+    if any(cal.cycle != "block" or cal.accept is not None for cal in cals):
+        return None
+    results = []
+    for block in sorted({trees[i].depth for i in pool}):
+        used = [i for i in pool if trees[i].depth <= block]
+        options = [(trees[i], costs[f"{trees[i].name}@{block}"] + costs.get(f"draft:{trees[i].name}@{block}", 0.0))
+                   for i in used]
+        none, ar = costs[f"none@{block}"], costs["ar"]
+        seconds, steps, tokens = len(cals) * costs["prefill"], len(cals), 0
+        for cal in cals:
+            n, ranks = cal.n, cal.ranks.tolist()
+            # best[j][h]: (seconds, steps) to finish from anchor j (j + 1 tokens generated), h = a block drafted it
+            best = [[(0.0, 0)] * 2 for _ in range(n + 1)]
+            for j in range(n - 2, -1, -1):
+                moves = [(none, 1, 1)] + ([(ar, 1, 0)] if ar_steps else [])
+                best[j][0] = min((c + best[j + new][h][0], 1 + best[j + new][h][1]) for c, new, h in moves)
+                for tree, c in options:
+                    L = accept_length(tree, ranks[j])
+                    has = (tree.index[tuple(ranks[j][:L])] if L else 0) in tree.block_nodes
+                    moves.append((c, L + 1, int(has)))
+                best[j][1] = min((c + best[min(j + new, n - 1)][h][0], 1 + best[min(j + new, n - 1)][h][1])
+                                 for c, new, h in moves)
+            seconds += best[0][1][0]
+            steps += best[0][1][1]
+            tokens += n
+        results.append({"trees": used, "block": block, "ar_steps": ar_steps, "sim_tau": round(tokens / steps, 4),
+                        "sim_tokens_per_s": round(tokens / seconds, 2)})
+    return max(results, key=lambda r: r["sim_tokens_per_s"])
+
+
 def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: float, value_depth: int = 0) -> dict:
     """Static, ladder and hyst schedules of one task (indices into `trees`), swept in simulation,
     the ladder's and hyst's path value `value_depth` deep (0: the deepest tree's depth)."""
@@ -639,7 +688,9 @@ def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: flo
                                                                        value_depth))[0])
         out["ladder"] = Schedule("ladder", ladder_trees, thresholds, value_depth)
         pairs = [(a, b) for x, a in enumerate(ladder_trees) for b in ladder_trees[x + 1:]]  # conservative, aggressive
-        best = max(((a, b, v) for a, b in pairs for v in grid),
+        # the sweep's two ends too: always aggressive (0) and never (NEVER: above every path value, a
+        # product of probabilities), so a switch that pays nowhere leaves the conservative tree alone
+        best = max(((a, b, v) for a, b in pairs for v in [0.0, *grid, NEVER]),
                    key=lambda p: speed(Schedule("hyst", [p[0], p[1]], [ratio * p[2], p[2]], value_depth))[0])
         out["hyst"] = Schedule("hyst", [best[0], best[1]], [ratio * best[2], best[2]], value_depth)
     result = {}
@@ -831,6 +882,9 @@ def main(argv=None) -> dict:
         task_trees = [renumber[i] for i in task_frontiers[task]]
         schedules[task] = calibrate_schedules(task_cals, bank, task_trees, k, costs, args.hyst_ratio, args.value_depth)
         report["tasks"][task]["schedules"] = schedules[task]
+        bounds = [oracle(task_cals, bank, task_trees, costs, ar_steps) for ar_steps in (False, True)]
+        if bounds[0] is not None:
+            report["tasks"][task]["oracle"], report["tasks"][task]["oracle_ar"] = bounds
         for row in report["tasks"][task]["trees"]:
             row["bank"] = renumber.get(row.pop("tree"))
         report["tasks"][task]["frontier"] = [renumber[i] for i in report["tasks"][task]["frontier"]]
@@ -1041,8 +1095,18 @@ def markdown(report: dict) -> str:
         for name, s in t["schedules"].items():
             if s.get("value_depth"):
                 name = f"{name} (path value {s['value_depth']} deep)"
-            lines.append(f"| {name} | {s['trees']} | {[round(x, 4) for x in s['thresholds']]} | {s['sim_tau']:.3f} "
-                         f"| {s['sim_tokens_per_s']:.1f} |")
+            thresholds = [round(x, 4) for x in s["thresholds"]]
+            if s["kind"] == "hyst" and s["thresholds"][1] >= NEVER:
+                thresholds = f"{thresholds}: never on, no threshold paid"
+            lines.append(f"| {name} | {s['trees']} | {thresholds} | {s['sim_tau']:.3f} | {s['sim_tokens_per_s']:.1f} |")
+        if "oracle" in t:
+            static = t["schedules"]["static"]["sim_tokens_per_s"]
+            o, oa = t["oracle"], t["oracle_ar"]
+            lines += ["", f"The future known (an upper bound of every schedule over this task's trees, reached with "
+                          f"trees {o['trees']} on {o['block']}-mask blocks): "
+                          f"{o['sim_tokens_per_s']:.1f} tok/s, {o['sim_tokens_per_s'] / static:.2f}x static "
+                          f"(tau {o['sim_tau']:.3f}); with plain AR steps too: {oa['sim_tokens_per_s']:.1f} tok/s, "
+                          f"{oa['sim_tokens_per_s'] / static:.2f}x static."]
         lines.append("")
     if "check" in report:
         c = report["check"]

@@ -231,6 +231,71 @@ def test_schedules_over_both_placements_of_one_size(small):
     assert tf.frontier(trees, [2.0, 3.0]) == [1] and tf.frontier(trees, [3.0, 2.0]) == [0]  # a tie: the better
 
 
+def test_hyst_is_never_calibrated_below_its_conservative_tree(small):
+    """A switch to the aggressive tree that pays on no threshold: the sweep's end (never switch
+    on) keeps hyst on the static tree, so in simulation it is exactly as fast."""
+    head = close_head(small)
+    cals = [tf.calibrate(head, p + decode(Target(small), Drafter(), p, 20).tokens, len(p), "t", False, max_rank=3)
+            for p in PROMPTS]
+    trees = [Topology("chain1", "leaf", name="leaf1"), Topology("chain1", "chain", name="chain1")]
+    costs = {"prefill": 1.0, "ar": 1.0, "none@1": 1.1, "leaf1@1": 1.2, "chain1@1": 3.0}
+    out = tf.calibrate_schedules(cals, trees, [1, 0], 2, costs, 0.8)
+    assert out["static"]["trees"] == [0] and out["hyst"]["trees"] == [0, 1]
+    assert out["hyst"]["thresholds"][1] == tf.NEVER
+    assert out["hyst"]["sim_tokens_per_s"] == out["static"]["sim_tokens_per_s"]
+
+
+def test_the_future_known_bound(small):
+    """`oracle`: with one chain-block tree cheaper than the root's block alone, drafting every step
+    is optimal, so the bound is that tree's rollout exactly; it bounds every calibrated schedule;
+    plain AR steps, when cheap, raise it."""
+    head = close_head(small)
+    cals = [tf.calibrate(head, p + decode(Target(small), Drafter(), p, 20).tokens, len(p), "t", False, max_rank=3)
+            for p in PROMPTS]
+    trees = [Topology("chain1", "leaf", name="leaf1"), Topology("chain2", "chain", name="chain2")]
+    costs = {"prefill": 1.0, "ar": 1.0, "none@1": 1.4, "leaf1@1": 1.2, "none@2": 1.5, "leaf1@2": 1.3,
+             "chain2@2": 1.4, "draft:chain2@2": 0.05}
+    sim = tf.rollout(cals, trees, 2, Schedule("static", [1]))
+    bound = tf.oracle(cals, trees, [1], costs)
+    assert bound["sim_tau"] == round(sim.tau, 4) and sim.tau > 1.3  # drafts accepted
+    assert bound["sim_tokens_per_s"] == round(tf.tokens_per_s(sim, cals, costs, trees), 2)
+    schedules = tf.calibrate_schedules(cals, trees, [0, 1], 2, costs, 0.8)
+    both = tf.oracle(cals, trees, [0, 1], costs)
+    assert all(s["sim_tokens_per_s"] <= both["sim_tokens_per_s"] for s in schedules.values())
+    cheap_ar = tf.oracle(cals, trees, [0, 1], {**costs, "ar": 0.2}, ar_steps=True)
+    assert cheap_ar["sim_tokens_per_s"] > both["sim_tokens_per_s"]
+    assert tf.oracle(cals, trees, [0, 1], costs, ar_steps=True)["sim_tokens_per_s"] >= both["sim_tokens_per_s"]
+
+
+def test_the_future_known_bound_is_the_best_of_every_choice_sequence():
+    """`oracle` against an exhaustive search over every sequence of step choices (a pool tree,
+    the root's block alone, a plain AR step) on short calibrations with random ranks."""
+    gen = torch.Generator().manual_seed(0)
+    cals = [tf.Calibration("t", 3, n, torch.randint(0, 3, (n, 2), generator=gen), torch.ones(n), torch.ones(n, 2))
+            for n in (7, 9, 10)]
+    trees = [Topology("chain2", "leaf", name="leaf2"), Topology("[[0],[1],[0,0]]", "leaf", name="branchy")]
+    costs = {"prefill": 2.0, "ar": 1.0, "none@2": 1.5, "leaf2@2": 1.45, "branchy@2": 1.7, "draft:branchy@2": 0.1}
+
+    def fastest(cal, j, has, ar_steps):  # (seconds, steps) to finish from anchor j, every choice tried
+        if j >= cal.n - 1:
+            return 0.0, 0
+        moves = [(costs["none@2"], 1, True)] + ([(costs["ar"], 1, False)] if ar_steps else [])
+        if has:
+            for t in trees:
+                L = tf.accept_length(t, cal.ranks[j].tolist())
+                node = t.index[tuple(cal.ranks[j, :L].tolist())] if L else 0
+                moves.append((costs[f"{t.name}@2"] + costs.get(f"draft:{t.name}@2", 0.0), L + 1, node in t.block_nodes))
+        return min((c + s, 1 + n) for c, new, h in moves for s, n in [fastest(cal, j + new, h, ar_steps)])
+
+    for ar_steps in (False, True):
+        best = [fastest(cal, 0, True, ar_steps) for cal in cals]
+        tokens = sum(cal.n for cal in cals)
+        want = tokens / (len(cals) * costs["prefill"] + sum(s for s, _ in best))
+        bound = tf.oracle(cals, trees, [0, 1], costs, ar_steps)
+        assert bound["sim_tokens_per_s"] == round(want, 2)
+        assert bound["sim_tau"] == round(tokens / (len(cals) + sum(n for _, n in best)), 4)
+
+
 def test_the_schedules_pool_keeps_the_fastest_trees():
     """A frontier longer than --pool-size (on a GPU more nodes keep paying): the pool keeps the
     fastest trees, so the best static tree is in it, not the smallest ones."""
@@ -286,6 +351,10 @@ def test_tree_frontier_and_bench_end_to_end(tmp_path, monkeypatch):
     assert {f"draft:{t['name']}@2" for t in saved["trees"]} <= set(saved["costs_ms"])  # drafting is priced
     assert out.with_suffix(".md").read_text().count("| tree | nodes |") == 5 and out.with_suffix(".png").stat().st_size
     assert report["k"] == 2
+    for task in saved["tasks"].values():  # the future-known bound, with and without AR steps
+        static = task["schedules"]["static"]["sim_tokens_per_s"]
+        assert static <= task["oracle"]["sim_tokens_per_s"] <= task["oracle_ar"]["sim_tokens_per_s"]
+    assert out.with_suffix(".md").read_text().count("The future known") == 4
     results = tmp_path / "bench" / "results.json"
     spec = f"gated_lora:head={tmp_path / 'head'},tree={out},schedule=static,task=code"
     bench.main(["--backbone", "tiny-llama-random", "--data", "builtin:eval", "--per-category", "1",
