@@ -17,13 +17,18 @@ Prints median ms and each cost divided by the stock 1-token cost (with the min-m
 the timed rounds), and writes it as JSON to --out. A k-token step cheaper than the 1-token step
 of the same kernels is named in a WARNING: it means the 1-token path is not the fastest.
 
-CPU only (`cpu_paths`): on a GPU nothing is packed and torch's stock kernels run, so there is
-nothing to compare; `--device cuda` is refused with one line.
+With `--head DIR` (a gated-LoRA head), the same forwards of the head's gated copy on torch's own
+layers (`gated`), its adapter on for the last third of the new rows (`gated_rows`, as a decoding
+step's masks), so the adapter's cost reads off against the plain model's.
+
+On a GPU (`--device cuda`) nothing is packed: the stock forwards and, with --head, the gated ones
+are timed (each after a device sync).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -35,7 +40,7 @@ from tqdm import tqdm
 
 from mtpkit.models.backbone import DEFAULT_BACKBONE, DEVICE_CHOICES, load_backbone, resolve_device
 from mtpkit.models.heads import write_atomic
-from mtpkit.models.kernel_plan import CACHE_LEN, plan_table, tune
+from mtpkit.models.kernel_plan import CACHE_LEN, gated_rows, plan_table, tune
 from mtpkit.models.packed_linear import cpu_paths, pack_linears
 
 DTYPES = ("float32", "bfloat16")
@@ -52,14 +57,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--retune", action="store_true",
                    help="measure the kernel plan again (and cache it) even if this machine has one")
     p.add_argument("--out", default="runs/bench_forward.json", help="JSON output (default: %(default)s)")
+    p.add_argument("--head", default=None,
+                   help="a gated-LoRA head folder (train/export.py): also time its gated copy (`gated`)")
     p.add_argument("--device", default="cpu", metavar=DEVICE_CHOICES,
-                   help="only the CPU has packed kernels to measure (default: %(default)s)")
+                   help="where to time: the CPU (packed kernels and their plan too) or a GPU (stock "
+                        "and gated forwards) (default: %(default)s)")
     args = p.parse_args(argv)
     if args.reps < 3 or args.cache < 1 or min(args.tokens) < 1:
         p.error("--reps must be >= 3, --cache and --tokens >= 1")
     if Path(args.out).suffix != ".json":
         p.error(f"--out must end in .json, got {args.out!r}")
     return args
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's forward returns before it is computed)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()
@@ -69,42 +83,59 @@ def main(argv=None) -> dict:
         device = resolve_device(args.device)
     except ValueError as e:
         raise SystemExit(f"bench_forward: {e}") from None
-    if not cpu_paths(device):
-        raise SystemExit(f"bench_forward: --device {args.device}: the packed kernels and their plan are CPU-only; "
-                         "on a GPU torch's stock kernels run (eval/bench.py --device cuda times decoding there)")
-    model, _ = load_backbone(args.backbone, dtype=args.dtype)
+    model, _ = load_backbone(args.backbone, dtype=args.dtype, device=device)
     model.eval()
-    onednn = copy.deepcopy(model)
-    layers = pack_linears(onednn, "onednn")
-    tuned = copy.deepcopy(onednn)  # deepcopy keeps the groups (and their plans) per copy
-    record = tune(tuned, retune=args.retune)
-    if record is None:
-        raise SystemExit(f"bench_forward: {args.backbone} has no linear layer large enough to pack")
-    source = "cached" if record["cached"] else "measured now"
-    print(f"kernel plan for {args.backbone} ({args.dtype}) on {record['machine']['cpu']} "
-          f"({record['machine']['threads']} threads), {source} at {record['measured_at']}, load {record['load']}; "
-          f"median ms over {record['reps'] - 1} rounds on a {record['cache_len']}-token cache, * = chosen\n")
-    print(plan_table(record) + "\n")
+    kinds, layers, record = {"stock": model}, 0, None
+    if cpu_paths(device):
+        onednn = copy.deepcopy(model)
+        layers = pack_linears(onednn, "onednn")
+        tuned = copy.deepcopy(onednn)  # deepcopy keeps the groups (and their plans) per copy
+        record = tune(tuned, retune=args.retune)
+        if record is None and not args.head:
+            raise SystemExit(f"bench_forward: {args.backbone} has no linear layer large enough to pack")
+        if record is None:
+            print(f"{args.backbone} has no linear layer large enough to pack: stock and gated forwards only\n")
+        else:
+            source = "cached" if record["cached"] else "measured now"
+            print(f"kernel plan for {args.backbone} ({args.dtype}) on {record['machine']['cpu']} "
+                  f"({record['machine']['threads']} threads), {source} at {record['measured_at']}, "
+                  f"load {record['load']}; median ms over {record['reps'] - 1} rounds on a "
+                  f"{record['cache_len']}-token cache, * = chosen\n")
+            print(plan_table(record) + "\n")
+            kinds.update(onednn=onednn, tuned=tuned)
+    gate = None
+    if args.head:
+        from mtpkit.models.gated_lora import load_head, to_inference
+
+        lean = to_inference(load_head(args.head, copy.deepcopy(model).cpu())).to(device)
+        kinds["gated"], gate = lean.peft.get_base_model(), lean.gate
 
     vocab = model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(0)
-    cache = model(torch.randint(0, vocab, (1, args.cache), generator=gen), use_cache=True).past_key_values
-    kinds = {"stock": model, "onednn": onednn, "tuned": tuned}
+    ids = torch.randint(0, vocab, (1, args.cache), generator=gen).to(device)
+    cache = model(ids, use_cache=True).past_key_values
     times = {(k, t): [] for k in kinds for t in args.tokens}
     for r in tqdm(range(args.reps), desc="forwards", unit="round"):
         for t in args.tokens:
-            x = torch.randint(0, vocab, (1, t), generator=gen)
+            x = torch.randint(0, vocab, (1, t), generator=gen).to(device)
             order = list(kinds) if r % 2 == 0 else list(kinds)[::-1]
             for kind in order:
                 c = copy.deepcopy(cache)
+                on = contextlib.nullcontext()
+                if kind == "gated":
+                    on = gate(torch.arange(t)[None] >= t - gated_rows(t))  # built on the host, as the decoder's
+                sync(device)
                 t0 = time.perf_counter()
-                kinds[kind](x, past_key_values=c, use_cache=True)  # logits of every new row, as a step needs
+                with on:
+                    kinds[kind](x, past_key_values=c, use_cache=True)  # logits of every new row, as a step needs
+                sync(device)
                 times[(kind, t)].append(time.perf_counter() - t0)
     kept = {key: [1000 * s for s in v[2:]] for key, v in times.items()}
     ms = {k: {t: statistics.median(kept[(k, t)]) for t in args.tokens} for k in kinds}
     spread = {k: {t: [min(kept[(k, t)]), max(kept[(k, t)])] for t in args.tokens} for k in kinds}
     base = ms["stock"][args.tokens[0]]
-    lines = [f"{args.backbone} ({args.dtype}), {args.cache}-token cache, {layers} packed layers; whole forwards, "
+    where = f"on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else f"{layers} packed layers"
+    lines = [f"{args.backbone} ({args.dtype}), {args.cache}-token cache, {where}; whole forwards, "
              f"median ms over {args.reps - 2} rounds (cost / stock {args.tokens[0]}-token) [min-max ms]", "",
              "| kernels | " + " | ".join(f"{t} tok" for t in args.tokens) + " |", "|---|" + "---|" * len(args.tokens)]
     for kind in kinds:
@@ -123,7 +154,9 @@ def main(argv=None) -> dict:
     result = {"backbone": args.backbone, "dtype": args.dtype, "cache": args.cache, "packed_layers": layers,
               "median_ms": ms, "spread_ms": spread,
               "ratio_to_stock_first": {k: {t: v / base for t, v in d.items()} for k, d in ms.items()},
-              "plan": {k: v for k, v in record.items() if k != "cached"}, "plan_cached": record["cached"],
+              "device": str(device), "head": args.head,
+              "plan": None if record is None else {k: v for k, v in record.items() if k != "cached"},
+              "plan_cached": None if record is None else record["cached"],
               "warnings": warnings}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

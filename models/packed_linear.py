@@ -43,6 +43,8 @@ per-row LM head) apply. On a GPU nothing is packed and torch's stock kernels run
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -124,6 +126,7 @@ class PackedGroup:
         self.lora = [(m.At, m.Bt) for m in members] if gated else []  # ([in, r], [r, out]) per member
         self.gate = members[0].gate if gated else None
         self.tracked = [t for t in self.weights + self.biases if t is not None]
+        self.dtypes = packable_dtypes()  # what `usable` computes in (bf16 only where oneDNN has it)
         self.bounds, start = [], 0  # each member's columns of the output
         for b in bases:
             self.bounds.append((start, start + b.out_features))
@@ -140,7 +143,7 @@ class PackedGroup:
     def usable(self, x: torch.Tensor) -> bool:
         """Whether this group computes forward(x) (else each member runs `unpacked`)."""
         # x.is_cpu is `cpu_paths(x.device)`, inlined: this runs on every product of a forward
-        return (not torch.is_grad_enabled() and x.is_cpu and x.dtype in DTYPES
+        return (not torch.is_grad_enabled() and x.is_cpu and x.dtype in self.dtypes
                 and x.dtype is self.weights[0].dtype)
 
     @property
@@ -265,12 +268,23 @@ def pack_linears(model: nn.Module, linear: str = "auto", min_numel: int | None =
     return len(swaps)
 
 
+@functools.cache
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN packs on this CPU: fp32, and bf16 where the CPU has oneDNN's bf16
+    kernels (AVX512-BF16, or AVX512 BW/VL/DQ, or AVX-NE-CONVERT); elsewhere a bf16 layer keeps
+    torch's own forward."""
+    bf16 = hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return DTYPES if bf16 else (torch.float32,)
+
+
 def packable(model: nn.Module, min_numel: int | None = None) -> list[tuple[str, nn.Linear]]:
-    """The (name, layer) of every `nn.Linear` of `model` that `pack_linears` would swap: fp32 or
-    bf16, on the CPU, at least `min_numel` weights (default `MIN_PACK`). None on a GPU."""
+    """The (name, layer) of every `nn.Linear` of `model` that `pack_linears` would swap: fp32 (or
+    bf16, `packable_dtypes`), on the CPU, at least `min_numel` weights (default `MIN_PACK`). None
+    on a GPU."""
     min_numel = MIN_PACK if min_numel is None else min_numel
+    dtypes = packable_dtypes()
     return [(name, m) for name, m in model.named_modules()
-            if type(m) is nn.Linear and m.weight.dtype in DTYPES and cpu_paths(m.weight.device)
+            if type(m) is nn.Linear and m.weight.dtype in dtypes and cpu_paths(m.weight.device)
             and m.weight.numel() >= min_numel]
 
 

@@ -187,6 +187,19 @@ def test_bench_forward_times_stock_onednn_and_the_plan(tmp_path, monkeypatch):
         bench_forward.parse_args(["--reps", "1"])
 
 
+def test_bench_forward_times_a_heads_gated_copy(tmp_path, tiny):
+    """--head: the gated copy's forwards beside the plain model's (on a tiny model, nothing to pack)."""
+    from mtpkit.eval import bench_forward
+    from mtpkit.models.gated_lora import save_head
+    from tests.models.test_gated_lora import make_gated
+
+    save_head(make_gated(tiny[0], k=2, rank=4), tmp_path / "head", "tiny-llama-random")
+    res = bench_forward.main(["--backbone", "tiny-llama-random", "--cache", "8", "--tokens", "1", "4", "--reps", "3",
+                              "--head", str(tmp_path / "head"), "--out", str(tmp_path / "fwd.json")])
+    assert set(res["median_ms"]) == {"stock", "gated"} and res["head"] == str(tmp_path / "head")
+    assert all(res["median_ms"][kind][t] > 0 for kind in ("stock", "gated") for t in (1, 4))
+
+
 # --------------------------------------------------------------------------- outputs and bad inputs
 
 @pytest.mark.parametrize("out", ["r/results.md", "r/results.png", "r/results"])
