@@ -5,6 +5,7 @@ The head is tests/eval/test_gated_sampling.py's `close_head` (a 5-token target, 
 candidates are close to the target's): drafts are accepted at every depth, and branches matter."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from mtpkit.eval import tree_frontier as tf
 from mtpkit.eval.decoder import Target, decode
 from mtpkit.models.drafter import Drafter
 from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
-from mtpkit.models.trees import Schedule, Topology, TopologyBank, parse_paths, tree_layout
+from mtpkit.models.trees import Schedule, Topology, TopologyBank, load_bank, parse_paths, tree_layout
 from tests.eval.test_gated_sampling import PROMPT, close_head, exact_joint, sampled_joint, small  # noqa: F401
 
 BRANCHY = "[[0],[1],[0,0],[0,1],[1,0]]"
@@ -383,3 +384,16 @@ def test_tree_frontier_under_sampling(tmp_path):
     assert any(t["name"].endswith("_leaf") for t in saved["check"]["trees"])  # both placements searched
     assert all(r["replay_steps"] == r["decoded_steps"] > 4 for r in saved["check"]["trees"])
     assert "speculative sampling at T = 0.8" in out.with_suffix(".md").read_text()
+
+
+def test_the_shipped_tree_files_load():
+    """configs/trees/*.json (the documented `tree=FILE` trees): each loads as one topology; the
+    24-node tree of docs/gated_lora.md has 8 candidates at depth 1 and 45 rows on 4-mask blocks."""
+    files = sorted((Path(__file__).resolve().parents[2] / "configs" / "trees").glob("*.json"))
+    assert files
+    for f in files:
+        trees, schedules = load_bank(str(f))
+        assert len(trees) == 1 and schedules == {}
+    sparse, _ = load_bank(str(files[0].with_name("sparse24.json")))
+    t = sparse[0]
+    assert t.num_nodes == 24 and t.depth == 4 and sum(d == 1 for d in t.depths) == 8 and t.rows(4) == 45
