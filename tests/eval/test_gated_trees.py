@@ -219,12 +219,17 @@ def test_grown_trees_are_scored_and_the_frontier_is_non_dominated(small):
     assert kept == [0, 1, 3]
 
 
+def close_calibrations(small) -> list:
+    """The simulator's calibration of `close_head` on PROMPTS (AR's 20-token continuations, ranks up to 3)."""
+    head = close_head(small)
+    return [tf.calibrate(head, p + decode(Target(small), Drafter(), p, 20).tokens, len(p), "t", False, max_rank=3)
+            for p in PROMPTS]
+
+
 def test_schedules_over_both_placements_of_one_size(small):
     """The 1-node tree with leaf blocks (linear decoding: 3 rows a step with 1-mask blocks) and with
     chain blocks (4 rows): as many nodes, so the schedules order them by rows, and hyst pairs them."""
-    head = close_head(small)
-    cals = [tf.calibrate(head, p + decode(Target(small), Drafter(), p, 20).tokens, len(p), "t", False, max_rank=3)
-            for p in PROMPTS]
+    cals = close_calibrations(small)
     trees = [Topology("chain1", "leaf", name="leaf1"), Topology("chain1", "chain", name="chain1")]
     costs = {"prefill": 1.0, "ar": 1.0, "none@1": 1.1, "leaf1@1": 1.2, "chain1@1": 1.4}
     out = tf.calibrate_schedules(cals, trees, [1, 0], 2, costs, 0.8)
@@ -235,9 +240,7 @@ def test_schedules_over_both_placements_of_one_size(small):
 def test_hyst_is_never_calibrated_below_its_conservative_tree(small):
     """A switch to the aggressive tree that pays on no threshold: the sweep's end (never switch
     on) keeps hyst on the static tree, so in simulation it is exactly as fast."""
-    head = close_head(small)
-    cals = [tf.calibrate(head, p + decode(Target(small), Drafter(), p, 20).tokens, len(p), "t", False, max_rank=3)
-            for p in PROMPTS]
+    cals = close_calibrations(small)
     trees = [Topology("chain1", "leaf", name="leaf1"), Topology("chain1", "chain", name="chain1")]
     costs = {"prefill": 1.0, "ar": 1.0, "none@1": 1.1, "leaf1@1": 1.2, "chain1@1": 3.0}
     out = tf.calibrate_schedules(cals, trees, [1, 0], 2, costs, 0.8)
@@ -250,9 +253,7 @@ def test_the_future_known_bound(small):
     """`oracle`: with one chain-block tree cheaper than the root's block alone, drafting every step
     is optimal, so the bound is that tree's rollout exactly; it bounds every calibrated schedule;
     plain AR steps, when cheap, raise it."""
-    head = close_head(small)
-    cals = [tf.calibrate(head, p + decode(Target(small), Drafter(), p, 20).tokens, len(p), "t", False, max_rank=3)
-            for p in PROMPTS]
+    cals = close_calibrations(small)
     trees = [Topology("chain1", "leaf", name="leaf1"), Topology("chain2", "chain", name="chain2")]
     costs = {"prefill": 1.0, "ar": 1.0, "none@1": 1.4, "leaf1@1": 1.2, "none@2": 1.5, "leaf1@2": 1.3,
              "chain2@2": 1.4, "draft:chain2@2": 0.05}
