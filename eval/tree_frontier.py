@@ -64,9 +64,12 @@ rollout, a throughput frontier, static / ladder / hysteresis schedules).
    Per task the throughput frontier (more nodes only if more tokens/s) and the tau frontier (more
    nodes only if a higher tau) within --pool-speed of the fastest tree form the pool of the
    schedules, and the bank holds every task's pool: static (the fastest tree), ladder (the pool,
-   small to large, thresholds swept), hyst (a conservative and an aggressive tree of the pool,
-   tau_on swept from 0, always aggressive, to above every path value, never: a switch that pays
-   on no threshold leaves hyst on its conservative tree; tau_off = --hyst-ratio x tau_on).
+   small to large, thresholds swept), hyst (two trees of the pool, one below tau_on and one
+   above it, every pair in both orders: the paper's conservative tree below and aggressive tree
+   above, and the other way round, where a bigger step pays on the doubtful steps; tau_on swept
+   from 0, always the second tree, to above every path value, never: a switch that pays on no
+   threshold leaves hyst on its first tree; tau_off = --hyst-ratio x tau_on; the path value's
+   depth swept too unless --value-depth fixes it).
    Greedy mask drafters also get the future-known bound (`oracle`): the fastest any schedule over
    the pool could be, each step's tree chosen knowing every tree's accept length there, and the
    same with plain AR steps allowed; how far the schedules are from it says how much a better
@@ -89,6 +92,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import hashlib
 import json
 import statistics
 import sys
@@ -167,6 +171,51 @@ def calibrate(model, ids: list[int], prompt_len: int, task: str, sampler: bool, 
     ranked = (lambda rows, base: model.sampler_logits(prev[rows], z[rows]).float()) if sampler else None
     ranks, head_top1 = rank_masks(model.lm_head, z, batch["labels"][0], k, max_rank, ranked, chunk)
     return Calibration(task, prompt_len, n, ranks, target_top1.cpu(), head_top1)
+
+
+CALIBRATION_ARGS = ("backbone", "method", "head", "sampler", "masks", "init", "lam", "max_depth", "data", "limit",
+                    "per_category", "skip", "holdout", "max_new_tokens", "temperature", "top_p", "seed", "max_rank",
+                    "dtype")
+
+
+def calibration_key(args, tasks: dict[str, list[dict]]) -> dict:
+    """What a calibration pass depends on: the options that decide it and every prompt's ids."""
+    key = {name: getattr(args, name, None) for name in CALIBRATION_ARGS}
+    head = Path(args.head) if getattr(args, "head", "") else None
+    if head is not None and head.is_dir():  # a head trained again in the same folder is another head
+        digest = hashlib.sha256()
+        for f in sorted(head.rglob("*")):
+            if f.is_file():
+                digest.update(f.relative_to(head).as_posix().encode() + f.read_bytes())
+        key["head_digest"] = digest.hexdigest()
+    return {**key, "prompts": {task: [p["ids"] for p in items] for task, items in tasks.items()}}
+
+
+def save_calibrations(path, key: dict, cals: dict, held: dict) -> None:
+    """The calibration pass (calibration split and held-out prompts) and the key it was made under,
+    for `--calibrations` to read instead of decoding and calibrating again."""
+    data = {"key": key, "cals": {t: [vars(c) for c in cs] for t, cs in cals.items()},
+            "held": {t: [(p, vars(c), cont) for p, c, cont in items] for t, items in held.items()}}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(data, path)
+    print(f"tree_frontier: the calibration pass written to {path}")
+
+
+def load_calibrations(path, key: dict) -> tuple[dict, dict]:
+    """(calibrations, held-out) written by `save_calibrations` under the same `key`; a file made
+    with other options or prompts is refused by name."""
+    try:
+        data = torch.load(path, weights_only=True)
+        saved = data["key"]
+        cals = {t: [Calibration(**c) for c in cs] for t, cs in data["cals"].items()}
+        held = {t: [(p, Calibration(**c), cont) for p, c, cont in items] for t, items in data["held"].items()}
+    except Exception as e:  # a truncated or foreign file
+        raise SystemExit(f"tree_frontier --calibrations {path}: not a calibration file written by this tool ({e})")
+    differ = [name for name in key if saved.get(name) != key[name]]
+    if differ:
+        raise SystemExit(f"tree_frontier --calibrations {path}: made with other {', '.join(differ)} than this run; "
+                         "pass another file (or delete it) to calibrate again")
+    return cals, held
 
 
 def _on(batch: dict, device) -> dict:
@@ -663,17 +712,25 @@ def oracle(cals: list[Calibration], trees: list[Topology], pool: list[int], cost
 
 
 def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: float, value_depth: int = 0) -> dict:
-    """Static, ladder and hyst schedules of one task (indices into `trees`), swept in simulation,
-    the ladder's and hyst's path value `value_depth` deep (0: the deepest tree's depth)."""
+    """Static, ladder and hyst schedules of one task (indices into `trees`), swept in simulation.
+    The ladder's path value is `value_depth` deep (0: the deepest tree's depth); hyst's depth is
+    swept from 1 to the deepest tree's with its pair and threshold unless `value_depth` fixes it.
+    Hyst pairs every two pool trees in both orders: the first is used below tau_on, the second
+    above it, so the sweep also finds a pair whose bigger step pays on the doubtful steps (the
+    chain-block tree's extra root block proposes again after a rejection)."""
     def speed(schedule):
         sim = rollout(cals, trees, k, schedule)
         return tokens_per_s(sim, cals, costs, trees), sim.tau
 
     static = max(task_trees, key=lambda i: speed(Schedule("static", [i]))[0])
     out = {"static": Schedule("static", [static])}
-    depth = Schedule("static", value_depth=value_depth).depth_of_value(max(trees[i].depth for i in task_trees))
-    values = sorted(path_value(cal, j, depth) for cal in cals for j in range(cal.n))
-    grid = sorted({values[int(q * (len(values) - 1))] for q in [i / 20 for i in range(1, 20)]})
+    deepest = max(trees[i].depth for i in task_trees)
+
+    def grid(depth: int) -> tuple[list[float], list[float]]:  # (sorted path values, 19 quantiles of them)
+        values = sorted(path_value(cal, j, depth) for cal in cals for j in range(cal.n))
+        return values, sorted({values[int(q * (len(values) - 1))] for q in [i / 20 for i in range(1, 20)]})
+
+    values, quantiles = grid(Schedule("static", value_depth=value_depth).depth_of_value(deepest))
     block = max(trees[i].depth for i in task_trees)  # small to large: nodes, then rows a step (placements differ)
     ladder_trees = sorted(task_trees, key=lambda i: (trees[i].num_nodes, trees[i].rows(block)))
     if len(ladder_trees) >= 2:
@@ -682,17 +739,21 @@ def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: flo
         for i in range(len(thresholds)):
             lo = thresholds[i - 1] if i else 0.0
             hi = thresholds[i + 1] if i + 1 < len(thresholds) else 1.0
-            options = [v for v in grid if lo <= v <= hi] or [thresholds[i]]
+            options = [v for v in quantiles if lo <= v <= hi] or [thresholds[i]]
             thresholds[i] = max(options, key=lambda v: speed(Schedule("ladder", ladder_trees,
                                                                        thresholds[:i] + [v] + thresholds[i + 1:],
                                                                        value_depth))[0])
         out["ladder"] = Schedule("ladder", ladder_trees, thresholds, value_depth)
-        pairs = [(a, b) for x, a in enumerate(ladder_trees) for b in ladder_trees[x + 1:]]  # conservative, aggressive
-        # the sweep's two ends too: always aggressive (0) and never (NEVER: above every path value, a
-        # product of probabilities), so a switch that pays nowhere leaves the conservative tree alone
-        best = max(((a, b, v) for a, b in pairs for v in [0.0, *grid, NEVER]),
-                   key=lambda p: speed(Schedule("hyst", [p[0], p[1]], [ratio * p[2], p[2]], value_depth))[0])
-        out["hyst"] = Schedule("hyst", [best[0], best[1]], [ratio * best[2], best[2]], value_depth)
+        # (below tau_on, above it): the small tree first, then the other order
+        pairs = [(a, b) for x, a in enumerate(ladder_trees) for b in ladder_trees[x + 1:]]
+        pairs += [(b, a) for a, b in pairs]
+        depths = [value_depth] if value_depth else [d if d < deepest else 0 for d in range(deepest, 0, -1)]
+        # the sweep's two ends too: always the second tree (0) and never (NEVER: above every path
+        # value, a product of probabilities), so a switch that pays nowhere leaves the first tree alone
+        candidates = [Schedule("hyst", [a, b], [ratio * v, v], d)
+                      for d in depths for sweep in [[0.0, *grid(d or deepest)[1], NEVER]]
+                      for a, b in pairs for v in sweep]
+        out["hyst"] = max(candidates, key=lambda s: speed(s)[0])  # equals: the default depth, the small tree below
     result = {}
     for name, schedule in out.items():
         s, tau = speed(schedule)
@@ -749,8 +810,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "one that drafts nothing). e.g. chain,leaf (default: %(default)s)")
     p.add_argument("--hyst-ratio", type=float, default=0.8, help="hyst schedule: tau_off = this x tau_on")
     p.add_argument("--value-depth", type=int, default=0,
-                   help="ladder and hyst: depths of the head's top-1 chain in the path value (0: as deep as the "
-                        "deepest scheduled tree). An MTPC head queries them one after another, each a sequential "
+                   help="ladder and hyst: depths of the head's top-1 chain in the path value (0: the ladder as deep "
+                        "as the deepest scheduled tree, hyst swept from 1 to that depth). An MTPC head queries them one after another, each a sequential "
                         "circuit query per step; 1 costs none (the tree's first query)")
     p.add_argument("--pool-speed", type=float, default=0.8,
                    help="the schedules may also use trees of the tau frontier whose simulated tokens/s is at least "
@@ -764,6 +825,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: %(default)s)")
     p.add_argument("--retune", action="store_true",
                    help="with --linear auto: measure the kernel plans again (and cache them)")
+    p.add_argument("--calibrations", default="",
+                   help="a file for the calibration pass (step 1): read it when it exists (made with the same "
+                        "options and prompts, else refused), write it when it does not; then growth, pricing and "
+                        "the schedules run again without decoding the prompts")
     p.add_argument("--out", required=True, help="the bank (.json); .md and .png beside it")
     add_device_args(p)  # the step costs are this device's: a bank is chosen for the machine that serves it
     args = p.parse_args(argv)
@@ -803,7 +868,13 @@ def main(argv=None) -> dict:
     ar = Target(base)
     cals: dict[str, list[Calibration]] = {}
     held: dict[str, list[tuple[dict, Calibration, list[int]]]] = {}
+    key = calibration_key(args, tasks)
+    if args.calibrations and Path(args.calibrations).is_file():
+        cals, held = load_calibrations(args.calibrations, key)
+        print(f"tree_frontier: the calibration pass read from {args.calibrations}")
     for task, items in tasks.items():
+        if task in cals:
+            continue
         if len(items) <= args.holdout:
             sys.exit(f"tree_frontier: task {task} has {len(items)} prompts, --holdout {args.holdout} leaves none")
         cals[task], held[task] = [], []
@@ -815,6 +886,8 @@ def main(argv=None) -> dict:
                 cals[task].append(cal)
             else:
                 held[task].append((prompt, cal, cont))
+    if args.calibrations and not Path(args.calibrations).is_file():
+        save_calibrations(args.calibrations, key, cals, held)
 
     # grow per task and placement; the budget-sized trees are candidates for the bank
     trees: list[Topology] = []

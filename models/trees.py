@@ -26,8 +26,11 @@ to an index into the bank:
 - static: always the same tree (EntMTP*, the best static tree per task);
 - ladder: thresholds t_1 < ... < t_{K-1} over v select tree i for t_i <= v < t_{i+1}
   (EntMTP-ladder, trees ordered small to large);
-- hyst: two trees, switch to the aggressive one when v >= tau_on and back to the conservative one
-  when v < tau_off, tau_off <= tau_on so one noisy step does not flap (EntMTP-tau).
+- hyst: two trees (low, high), switch to `high` when v >= tau_on and back to `low` when
+  v < tau_off, tau_off <= tau_on so one noisy step does not flap (EntMTP-tau). The paper's
+  `low` is the conservative tree and `high` the aggressive one; `eval/tree_frontier.py` also
+  tries the other order (a bigger step on the doubtful steps: a chain-block tree's root block
+  proposes again after a rejection, which pays where the draft is likely rejected).
 """
 
 from __future__ import annotations
@@ -215,8 +218,8 @@ def compile_topology(topology: Topology, k: int) -> Compiled:
 @dataclass
 class Schedule:
     """Which tree of a bank each step uses (see the module docstring). `thresholds`: ladder,
-    K - 1 ascending values of the path value v; hyst: (tau_off, tau_on) with `trees` = (conservative,
-    aggressive) bank indices; static: `trees` = (index,)."""
+    K - 1 ascending values of the path value v; hyst: (tau_off, tau_on) with `trees` = (low, high)
+    bank indices, `low` used below tau_on; static: `trees` = (index,)."""
     kind: str = "static"
     trees: list[int] = field(default_factory=lambda: [0])
     thresholds: list[float] = field(default_factory=list)
@@ -235,12 +238,12 @@ class Schedule:
             raise ValueError(f"tree schedule: value_depth {self.value_depth} must be >= 0")
         if self.kind == "hyst":
             if len(self.trees) != 2 or len(self.thresholds) != 2:
-                raise ValueError("hyst schedule: trees (conservative, aggressive) and thresholds (tau_off, tau_on)")
+                raise ValueError("hyst schedule: trees (low, high) and thresholds (tau_off, tau_on)")
             if self.thresholds[0] > self.thresholds[1]:
                 raise ValueError(f"hyst schedule: tau_off {self.thresholds[0]} > tau_on {self.thresholds[1]}")
 
     def start(self) -> int:
-        """Position in `trees` of the first step's tree (the conservative end)."""
+        """Position in `trees` of the first step's tree (ladder: the smallest; hyst: `low`)."""
         return 0
 
     def next(self, current: int, value: float) -> int:

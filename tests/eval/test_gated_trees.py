@@ -136,15 +136,16 @@ def test_blocks_option_is_checked(small, tmp_path):
         tf.parse_args(["--head", "x", "--data", "builtin:eval", "--out", "b.json", "--blocks", "chain,leaves"])
 
 
-@pytest.mark.parametrize("kind,device_path,value_depth", [("ladder", False, 0), ("hyst", False, 0), ("hyst", True, 0),
-                                                         ("hyst", False, 1)])
-def test_schedules_switch_trees_exactly_as_simulated(small, tmp_path, kind, device_path, value_depth):
+@pytest.mark.parametrize("kind,device_path,value_depth,order", [("ladder", False, 0, [0, 1]), ("hyst", False, 0, [0, 1]),
+                                                               ("hyst", True, 0, [0, 1]), ("hyst", False, 1, [0, 1]),
+                                                               ("hyst", False, 0, [1, 0])])
+def test_schedules_switch_trees_exactly_as_simulated(small, tmp_path, kind, device_path, value_depth, order):
     """A schedule's steps are the simulator's, on the CPU path and on the device path (what a GPU
     runs: `cpu_paths` off, one host read per greedy step), with the path value over the whole
-    block or its first `value_depth` masks."""
+    block or its first `value_depth` masks, and with hyst's bigger tree below tau_on."""
     head = close_head(small)
     trees = [Topology("chain1"), Topology(BRANCHY)]
-    schedule = {"kind": kind, "trees": [0, 1], "thresholds": [0.25] if kind == "ladder" else [0.2, 0.3],
+    schedule = {"kind": kind, "trees": order, "thresholds": [0.25] if kind == "ladder" else [0.2, 0.3],
                 "value_depth": value_depth}
     log = tmp_path / "steps.jsonl"
     entry = {**schedule, "sim_tau": 1.5, "sim_tokens_per_s": 20.0}  # as eval/tree_frontier.py writes it
@@ -228,12 +229,17 @@ def close_calibrations(small) -> list:
 
 def test_schedules_over_both_placements_of_one_size(small):
     """The 1-node tree with leaf blocks (linear decoding: 3 rows a step with 1-mask blocks) and with
-    chain blocks (4 rows): as many nodes, so the schedules order them by rows, and hyst pairs them."""
+    chain blocks (4 rows): as many nodes, so the ladder orders them by rows; hyst pairs them either way."""
     cals = close_calibrations(small)
     trees = [Topology("chain1", "leaf", name="leaf1"), Topology("chain1", "chain", name="chain1")]
     costs = {"prefill": 1.0, "ar": 1.0, "none@1": 1.1, "leaf1@1": 1.2, "chain1@1": 1.4}
     out = tf.calibrate_schedules(cals, trees, [1, 0], 2, costs, 0.8)
-    assert out["ladder"]["trees"] == [0, 1] and out["hyst"]["trees"] == [0, 1]  # leaf (3 rows) first
+    assert out["ladder"]["trees"] == [0, 1]  # leaf (3 rows) first
+    # hyst pairs them in both orders: here the chain tree on the doubtful steps (its root block
+    # proposes again after a rejection) and the leaf tree on the confident ones pays
+    assert out["hyst"]["trees"] == [1, 0] and 0 < out["hyst"]["thresholds"][1] < tf.NEVER
+    assert out["hyst"]["sim_tokens_per_s"] > out["static"]["sim_tokens_per_s"]
+    assert out["hyst"]["sim_tokens_per_s"] <= tf.oracle(cals, trees, [0, 1], costs)["sim_tokens_per_s"]
     assert tf.frontier(trees, [2.0, 3.0]) == [1] and tf.frontier(trees, [3.0, 2.0]) == [0]  # a tie: the better
 
 
@@ -364,6 +370,37 @@ def test_tree_frontier_and_bench_end_to_end(tmp_path, monkeypatch):
     assert json.loads(results.read_text())["methods"][spec]["matches_ar"] is True
     with pytest.raises(SystemExit):
         tf.main(["--head", "x", "--data", "builtin:eval", "--out", "bank.txt"])
+
+
+def test_the_calibration_pass_is_saved_and_read_again(tmp_path, monkeypatch):
+    """--calibrations: the first run writes the pass, the second reads it instead of calibrating
+    (the same simulated taus); other options, or a broken file, are refused by name."""
+    import copy
+
+    from mtpkit.models.backbone import load_backbone
+    from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP, save_head
+
+    base, _ = load_backbone("tiny-llama-random")
+    save_head(GatedMTP(copy.deepcopy(base), GatedLoRAConfig(k=2, rank=4)), tmp_path / "head", "tiny-llama-random")
+    cal_file = tmp_path / "cal.pt"
+    argv = ["--backbone", "tiny-llama-random", "--head", str(tmp_path / "head"), "--data", "builtin:eval",
+            "--per-category", "2", "--max-new-tokens", "10", "--budgets", "1,2", "--rounds", "2",
+            "--calibrations", str(cal_file)]
+    first = tf.main(argv + ["--out", str(tmp_path / "a.json")])
+    assert cal_file.is_file()
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibrated again")
+
+    monkeypatch.setattr(tf, "calibrate", no_calibration)
+    second = tf.main(argv + ["--out", str(tmp_path / "b.json")])
+    for task, entry in first["tasks"].items():
+        assert [r["sim_tau"] for r in second["tasks"][task]["trees"]] == [r["sim_tau"] for r in entry["trees"]]
+    with pytest.raises(SystemExit, match="other max_new_tokens"):
+        tf.main([a if a != "10" else "11" for a in argv] + ["--out", str(tmp_path / "c.json")])
+    cal_file.write_bytes(b"not a calibration")
+    with pytest.raises(SystemExit, match="not a calibration file"):
+        tf.main(argv + ["--out", str(tmp_path / "d.json")])
 
 
 def test_tree_frontier_under_sampling(tmp_path):
