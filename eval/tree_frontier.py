@@ -731,8 +731,8 @@ def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: flo
         return values, sorted({values[int(q * (len(values) - 1))] for q in [i / 20 for i in range(1, 20)]})
 
     values, quantiles = grid(Schedule("static", value_depth=value_depth).depth_of_value(deepest))
-    block = max(trees[i].depth for i in task_trees)  # small to large: nodes, then rows a step (placements differ)
-    ladder_trees = sorted(task_trees, key=lambda i: (trees[i].num_nodes, trees[i].rows(block)))
+    # small to large: nodes, then rows a step on the schedule's blocks (placements differ)
+    ladder_trees = sorted(task_trees, key=lambda i: (trees[i].num_nodes, trees[i].rows(deepest)))
     if len(ladder_trees) >= 2:
         # thresholds one at a time, coordinate ascent from the quantiles
         thresholds = [values[int(len(values) * (i + 1) / len(ladder_trees))] for i in range(len(ladder_trees) - 1)]
@@ -868,8 +868,9 @@ def main(argv=None) -> dict:
     ar = Target(base)
     cals: dict[str, list[Calibration]] = {}
     held: dict[str, list[tuple[dict, Calibration, list[int]]]] = {}
-    key = calibration_key(args, tasks)
-    if args.calibrations and Path(args.calibrations).is_file():
+    key = calibration_key(args, tasks) if args.calibrations else None  # (reads every file of the head)
+    read = bool(args.calibrations) and Path(args.calibrations).is_file()
+    if read:
         cals, held = load_calibrations(args.calibrations, key)
         print(f"tree_frontier: the calibration pass read from {args.calibrations}")
     for task, items in tasks.items():
@@ -886,7 +887,7 @@ def main(argv=None) -> dict:
                 cals[task].append(cal)
             else:
                 held[task].append((prompt, cal, cont))
-    if args.calibrations and not Path(args.calibrations).is_file():
+    if args.calibrations and not read:
         save_calibrations(args.calibrations, key, cals, held)
 
     # grow per task and placement; the budget-sized trees are candidates for the bank
