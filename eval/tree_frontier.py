@@ -56,7 +56,9 @@ rollout, a throughput frontier, static / ladder / hysteresis schedules).
    masks, LM head on the rows the decoder computes) on a `--cache-len` cache on this machine,
    interleaved with the empty step and plain AR's 1-row step, on the kernels `eval/bench.py` decodes
    with (`--linear`, default auto: the per-machine kernel plan, the gated copy's its own);
-   prefill measured on the mean prompt;
+   prefill measured on the mean prompt; with `--step-costs curve` (default) each forward is then
+   read off the cost curve of its rows (`cost_curve`: shapes of the same body rows, LM-head rows
+   and gate pooled, made non-decreasing in the work) instead of its own noisier median;
    plus the drafting of the tree from a block of that forward's outputs (the drafter's own
    `candidates`: top-k reads, sampler calls, mask rows' LM head where the forward skipped it).
    The rest of a step (the path value, the verifier's bookkeeping) is not in it: `eval/bench.py`
@@ -397,7 +399,7 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
         steps, tokens, gen, j, has = steps + 1, tokens + min(bonus, cal.n), bonus, 0, True
         while gen < cal.n:
             if has:
-                if schedule.kind != "static":
+                if schedule.switches:
                     position = schedule.next(position, path_value(cal, j, schedule.depth_of_value(depth)))
                 tree = trees[schedule.trees[position]]
                 L = accept_length(tree, ranks[j])
@@ -449,7 +451,7 @@ def rollout_sampled(cals: list[Calibration], trees: list[Topology], schedule: Sc
             steps += 1  # the prompt's forward: no tokens; its last state drafts next
             j = m = 0   # anchor (bytes generated through its state) and kept bytes after it
             while j + m < cal.n:
-                if schedule.kind != "static":
+                if schedule.switches:
                     position = schedule.next(position, path_value(cal, j, schedule.depth_of_value(deepest), m))
                 tree = schedule.trees[position]
                 depth = min(trees[tree].depth, cal.window - m)
@@ -512,14 +514,16 @@ def device_clock(device: torch.device) -> Callable[[], float]:
 
 @torch.no_grad()
 def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: int, cache_len: int,
-               rounds: int, candidates: Callable | None = None, with_masks: bool = True) -> dict:
-    """Median seconds of one verifier forward of every topology with blocks of every size from
-    its depth to k (`NAME@B`), of the empty step (`none@B`), AR's 1-row step (`ar`) and the
-    prefill, interleaved over `rounds` rounds on a `cache_len` cache. `with_masks=False` (MTPC): no
-    mask blocks, the steps `NAME@0` and `none@0` (one row: a kept bonus's state). With `candidates` (the
+               rounds: int, candidates: Callable | None = None, with_masks: bool = True,
+               curve: bool = True) -> tuple[dict, dict]:
+    """Seconds of one verifier forward of every topology with blocks of every size from its depth
+    to k (`NAME@B`), of the empty step (`none@B`), AR's 1-row step (`ar`) and the prefill,
+    interleaved over `rounds` rounds on a `cache_len` cache. `with_masks=False` (MTPC): no mask
+    blocks, the steps `NAME@0` and `none@0` (one row: a kept bonus's state). With `candidates` (the
     drafter's `candidates(step, rows, compiled)`), also the drafting of each tree from a block of
     that forward's outputs (`draft:NAME@B`: top-k reads, sampler calls, LM-head rows the forward
-    did not compute)."""
+    did not compute). Returns (costs, measured): measured = every item's median; costs = the same
+    with each forward read off the cost curve (`cost_curve`) when `curve`, else the medians."""
     from transformers import DynamicCache
 
     from mtpkit.models.drafter import StepOutput
@@ -539,6 +543,9 @@ def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: i
             for block in range(max(t.depth, 1), k + 1) if with_masks else [0]:
                 c = compile_topology(t, block)
                 yield f"{t.name}@{block}", list(c.full_parents), len(c.full_parents) - 1 - t.num_nodes, c
+
+    def head_rows(Q: int, extras: int) -> int:  # LM-head rows `run` computes with the forward
+        return Q if Q <= target.prefetch_rows else 1 + max(1, Q - extras)
 
     def run(parents, extras, compiled=None):
         cache = copy.deepcopy(base)
@@ -585,7 +592,46 @@ def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: i
             if drafting is not None:
                 times.setdefault("draft:" + name, []).append(drafting)
         times["prefill"].append(prefill())
-    return {name: statistics.median(v[1:]) for name, v in times.items()}  # the first round warms up
+    times = {name: v[1:] for name, v in times.items()}  # the first round warms up
+    measured = {name: statistics.median(v) for name, v in times.items()}
+    if not curve:
+        return measured, measured
+    gate = target.gate is not None  # `run` switches the adapter on for the masks
+    rows = {name: (len(parents), head_rows(len(parents), extras), gate and extras > 0)
+            for name, parents, extras, _ in items}
+    return {**measured, **cost_curve(times, rows, body_head_ratio(target))}, measured
+
+
+def body_head_ratio(target: Target) -> float:
+    """Parameters of the body (embeddings excluded: a lookup) over the next-token LM head's
+    (vocab x d): the work of a body row in LM-head rows."""
+    vocab, d = target.embed.weight.shape
+    embed = {id(target.embed.weight)}
+    body = sum(p.numel() for p in target.body.parameters() if id(p) not in embed)
+    return body / (vocab * d)
+
+
+def cost_curve(samples: dict[str, list[float]], rows: dict[str, tuple[int, int, bool]], ratio: float) -> dict:
+    """The forward costs read off one cost curve instead of each shape's own median: a forward's
+    time depends on its rows (Q through the body, L through the LM head, and whether the gate
+    switches the adapter on), not on which tree gave them, so the samples of all shapes with the
+    same `rows[name]` = (Q, L, gated) are pooled into one median, and the medians are made
+    non-decreasing in the work ratio * Q + L (pool-adjacent-violators, weighted by samples), gated
+    and ungated forwards apart. A shape's own median carries the machine's timing noise, which
+    reorders trees whose taus differ by less; on the curve a forward of more work never costs less."""
+    out = {}
+    for gated in (False, True):
+        keys = sorted({r for r in rows.values() if r[2] == gated}, key=lambda r: (ratio * r[0] + r[1], r))
+        blocks = []  # [value, weight, keys]
+        for key in keys:
+            pooled = [x for name, r in rows.items() if r == key for x in samples[name]]
+            blocks.append([statistics.median(pooled), len(pooled), [key]])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                (v1, w1, k1), (v2, w2, k2) = blocks.pop(-2), blocks.pop()
+                blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, k1 + k2])
+        value = {key: v for v, _, ks in blocks for key in ks}
+        out.update({name: value[r] for name, r in rows.items() if r[2] == gated})
+    return out
 
 
 def kernel_summary(record: dict | None) -> dict | None:
@@ -717,7 +763,8 @@ def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: flo
     swept from 1 to the deepest tree's with its pair and threshold unless `value_depth` fixes it.
     Hyst pairs every two pool trees in both orders: the first is used below tau_on, the second
     above it, so the sweep also finds a pair whose bigger step pays on the doubtful steps (the
-    chain-block tree's extra root block proposes again after a rejection)."""
+    chain-block tree's extra root block proposes again after a rejection). Where no pair is faster
+    than the static tree, hyst is the static tree (trees (s, s)): never slower in simulation."""
     def speed(schedule):
         sim = rollout(cals, trees, k, schedule)
         return tokens_per_s(sim, cals, costs, trees), sim.tau
@@ -726,9 +773,13 @@ def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: flo
     out = {"static": Schedule("static", [static])}
     deepest = max(trees[i].depth for i in task_trees)
 
+    grids = {}
+
     def grid(depth: int) -> tuple[list[float], list[float]]:  # (sorted path values, 19 quantiles of them)
-        values = sorted(path_value(cal, j, depth) for cal in cals for j in range(cal.n))
-        return values, sorted({values[int(q * (len(values) - 1))] for q in [i / 20 for i in range(1, 20)]})
+        if depth not in grids:
+            values = sorted(path_value(cal, j, depth) for cal in cals for j in range(cal.n))
+            grids[depth] = values, sorted({values[int(q * (len(values) - 1))] for q in [i / 20 for i in range(1, 20)]})
+        return grids[depth]
 
     values, quantiles = grid(Schedule("static", value_depth=value_depth).depth_of_value(deepest))
     # small to large: nodes, then rows a step on the schedule's blocks (placements differ)
@@ -749,10 +800,15 @@ def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: flo
         pairs += [(b, a) for a, b in pairs]
         depths = [value_depth] if value_depth else [d if d < deepest else 0 for d in range(deepest, 0, -1)]
         # the sweep's two ends too: always the second tree (0) and never (NEVER: above every path
-        # value, a product of probabilities), so a switch that pays nowhere leaves the first tree alone
-        candidates = [Schedule("hyst", [a, b], [ratio * v, v], d)
-                      for d in depths for sweep in [[0.0, *grid(d or deepest)[1], NEVER]]
-                      for a, b in pairs for v in sweep]
+        # value, a product of probabilities), so a switch that pays nowhere leaves the first tree
+        # alone; the ends read no path value, so they are tried on the first depth only
+        candidates = []
+        for x, d in enumerate(depths):
+            sweep = [0.0, *grid(d or deepest)[1], NEVER] if x == 0 else grid(d)[1]
+            candidates += [Schedule("hyst", [a, b], [ratio * v, v], d) for a, b in pairs for v in sweep]
+        # last, the static tree itself: a pair's trees share the deeper one's blocks, so where the
+        # static tree is shallower than every pair it is in, no pair reaches it
+        candidates.append(Schedule("hyst", [static, static], [ratio * NEVER, NEVER]))
         out["hyst"] = max(candidates, key=lambda s: speed(s)[0])  # equals: the default depth, the small tree below
     result = {}
     for name, schedule in out.items():
@@ -819,6 +875,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pool-size", type=int, default=4, help="at most this many trees per task for the schedules")
     p.add_argument("--cache-len", type=int, default=200, help="KV-cache length the step costs are timed on")
     p.add_argument("--rounds", type=int, default=7, help="timing rounds of the step costs (median; first is warm-up)")
+    p.add_argument("--step-costs", choices=["curve", "measured"], default="curve",
+                   help="how a tree's forward is priced: curve = read off the cost curve of the forwards' rows "
+                        "(every shape with the same rows pooled, the medians made non-decreasing in the work), "
+                        "measured = that shape's own median (noisier: trees whose taus differ by less than the "
+                        "timing noise get reordered by it) (default: %(default)s)")
     p.add_argument("--linear", choices=LINEARS, default="auto",
                    help="the targets' linear layers, as eval/bench.py --linear (price the trees on the kernels the "
                         "bench will decode with): auto = the per-machine kernel plan, onednn, stock = torch's layers "
@@ -919,13 +980,16 @@ def main(argv=None) -> dict:
 
     target = subject.target
     mean_prompt = round(statistics.mean(c.prompt_len for cs in cals.values() for c in cs))
-    costs = step_costs(target, trees, k, mean_prompt, args.cache_len, args.rounds, subject.candidates, subject.masks)
+    costs, measured = step_costs(target, trees, k, mean_prompt, args.cache_len, args.rounds, subject.candidates,
+                                 subject.masks, curve=args.step_costs == "curve")
 
     report = {"backbone": args.backbone, "method": args.method, **subject.settings, "k": k,
               "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
               "blocks": ",".join(args.blocks), "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "top_p": args.top_p, "linear": args.linear,
-              "kernels": kernel_summary(subject.kernels), "costs_ms": {n: round(1e3 * v, 3) for n, v in costs.items()},
+              "kernels": kernel_summary(subject.kernels), "step_costs": args.step_costs,
+              "costs_ms": {n: round(1e3 * v, 3) for n, v in costs.items()},
+              "measured_ms": {n: round(1e3 * v, 3) for n, v in measured.items()},
               "tasks": {}, "command": "python eval/tree_frontier.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     bank_ids: set[int] = set()
     task_frontiers = {}
@@ -1153,7 +1217,8 @@ def markdown(report: dict) -> str:
     shape = ("trees at most k bytes deep, no mask blocks, Algorithm 2's cycle" if report["method"] == "mtpc" else
              f"blocks = {report['blocks']}, as many masks per block as the tree has levels")
     lines = [f"Draft trees of {report['head']} on {report['backbone']} (k = {report['k']}, "
-             f"{head}, {shape}); simulated {decoding}, step costs measured on "
+             f"{head}, {shape}); simulated {decoding}, step costs "
+             f"{'read off the cost curve of the forwards measured' if report.get('step_costs') == 'curve' else 'measured'} on "
              f"{report.get('device', 'cpu')} in {report.get('dtype', 'float32')} on {kernels_line(report)} (ms: AR "
              f"{report['costs_ms']['ar']}, prefill {report['costs_ms']['prefill']})", "",
              "Per-step cost of a tree switch (median us): choosing the tree {choose_tree_us}, its attention mask from "

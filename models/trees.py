@@ -242,6 +242,12 @@ class Schedule:
             if self.thresholds[0] > self.thresholds[1]:
                 raise ValueError(f"hyst schedule: tau_off {self.thresholds[0]} > tau_on {self.thresholds[1]}")
 
+    @property
+    def switches(self) -> bool:
+        """Whether the tree can change between steps (so the path value is read): a ladder or a
+        hyst over two different trees; hyst over one tree twice is that tree, static."""
+        return self.kind != "static" and len(set(self.trees)) > 1
+
     def start(self) -> int:
         """Position in `trees` of the first step's tree (ladder: the smallest; hyst: `low`)."""
         return 0
@@ -416,7 +422,7 @@ class MaskTreeDrafting:
         if rows is None:  # the deepest accepted node carries no mask block: no speculation next
             self.current, self.tree_tokens = None, []
         else:
-            if self.schedule.kind != "static":
+            if self.schedule.switches:
                 value = self.path_value(step, rows)
                 self.position = self.schedule.next(self.position, value)
             self.current = self.bank.get(self.schedule.trees[self.position])

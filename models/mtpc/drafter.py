@@ -369,7 +369,7 @@ class MTPCDrafter(Drafter):
         else:
             params = self._head_params(span)
         root = None
-        if self.schedule.kind != "static" and self.target_top1 is not None:
+        if self.schedule.switches and self.target_top1 is not None:
             depth = min(self.schedule.depth_of_value(deepest), self.n - m)
             head, root = chain_value(params, span, self.given, depth, self.device)
             self.value = self.target_top1 * head
@@ -389,7 +389,7 @@ class MTPCDrafter(Drafter):
             used = self.schedule.trees[self.position] if self.draft_depth else None
             self.tree_log.write(json.dumps({"tree": used, "accepted": len(step.accepted),
                                             "value": self.value if used is not None else None}) + "\n")
-        if self.schedule.kind != "static":
+        if self.schedule.switches:
             self.target_top1 = float(torch.softmax(step.logits([step.last_node]).float(), -1).max())
 
     def _sample(self, evidence, observed, span: int):

@@ -255,6 +255,19 @@ def test_hyst_is_never_calibrated_below_its_conservative_tree(small):
     assert out["hyst"]["sim_tokens_per_s"] == out["static"]["sim_tokens_per_s"]
 
 
+def test_hyst_falls_back_to_a_shallower_static_tree(small):
+    """The static tree is 1 deep and every pair holds a 2-deep tree, whose 2-mask blocks make the
+    1-deep tree dearer: no pair reaches the static tree, so hyst is that tree alone, exactly as
+    fast in simulation."""
+    cals = close_calibrations(small)
+    trees = [Topology("chain1", "leaf", name="leaf1"), Topology("chain2", "chain", name="chain2")]
+    costs = {"prefill": 1.0, "ar": 1.0, "none@1": 1.1, "none@2": 1.5, "leaf1@1": 1.2, "leaf1@2": 2.0,
+             "chain2@2": 3.0}
+    out = tf.calibrate_schedules(cals, trees, [0, 1], 2, costs, 0.8)
+    assert out["static"]["trees"] == [0] and out["hyst"]["trees"] == [0, 0]
+    assert out["hyst"]["sim_tokens_per_s"] == out["static"]["sim_tokens_per_s"]
+
+
 def test_the_future_known_bound(small):
     """`oracle`: with one chain-block tree cheaper than the root's block alone, drafting every step
     is optimal, so the bound is that tree's rollout exactly; it bounds every calibrated schedule;
@@ -317,6 +330,24 @@ def test_the_schedules_pool_keeps_the_fastest_trees():
     assert kept == [0, 1] and pool == [1, 2, 3]  # tau-frontier trees within 90% of the fastest join
 
 
+def test_step_costs_are_read_off_one_cost_curve():
+    """Shapes with the same rows (body Q, LM head L, gated) share one pooled median, and the
+    medians are non-decreasing in the work (ratio * Q + L), gated and ungated forwards apart; a
+    lone shape keeps its own median."""
+    rows = {"ar": (1, 1, False), "none@1": (2, 2, True), "a@1": (3, 3, True), "b@1": (3, 3, True),
+            "c@2": (4, 4, True), "d@2": (5, 5, True), "e@3": (20, 6, True)}
+    samples = {"ar": [50.0], "none@1": [20.0, 21.0, 22.0], "a@1": [30.0, 31.0], "b@1": [24.0, 25.0],
+               "c@2": [26.0], "d@2": [40.0], "e@3": [39.0]}
+    costs = tf.cost_curve(samples, rows, ratio=4.0)
+    assert costs["ar"] == 50.0  # ungated: not pooled with (nor held below) the gated forwards
+    assert costs["none@1"] == 21.0 and costs["a@1"] == costs["b@1"]  # equal rows, one median
+    assert costs["c@2"] == costs["a@1"] == (27.5 * 4 + 26.0) / 5  # 26 < 27.5: pooled by weight
+    assert costs["d@2"] == costs["e@3"] == 39.5  # e (20 body rows, 6 head rows) is more work than d
+    order = sorted(rows, key=lambda n: 4.0 * rows[n][0] + rows[n][1])
+    gated = [costs[n] for n in order if rows[n][2]]
+    assert gated == sorted(gated)
+
+
 def test_bad_tree_options_are_clear(small, tmp_path):
     head = close_head(small)
     with pytest.raises(ValueError, match="no such file"):
@@ -357,6 +388,10 @@ def test_tree_frontier_and_bench_end_to_end(tmp_path, monkeypatch):
     assert len(checked) == 2  # every searched tree (t0_1n, t1_2n; chain1 and chain2 are those), up to 6
     assert set(saved["switch_cost"]) == {"choose_tree_us", "mask_from_bank_us", "mask_rebuilt_us"}
     assert {f"draft:{t['name']}@2" for t in saved["trees"]} <= set(saved["costs_ms"])  # drafting is priced
+    assert saved["step_costs"] == "curve" and set(saved["measured_ms"]) == set(saved["costs_ms"])
+    assert all(saved["costs_ms"][n] == saved["measured_ms"][n] for n in saved["costs_ms"]  # only forwards fitted
+               if n.startswith("draft:") or n == "prefill")
+    assert "step costs read off the cost curve" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".md").read_text().count("| tree | nodes |") == 5 and out.with_suffix(".png").stat().st_size
     assert report["k"] == 2
     for task in saved["tasks"].values():  # the future-known bound, with and without AR steps
