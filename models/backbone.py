@@ -347,12 +347,26 @@ def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: str | torch.dtype
     return model, tokenizer
 
 
+def _cached_snapshot(model_id: str) -> Path | None:
+    """The Hugging Face cache's snapshot folder of `model_id` when its config.json is there, else
+    None; read from disk only."""
+    from huggingface_hub import try_to_load_from_cache
+
+    config = try_to_load_from_cache(model_id, "config.json")
+    return Path(config).parent if isinstance(config, str) else None
+
+
 def _from_hub(model_id: str, dtype: torch.dtype, trust_remote_code: bool):
     known = ", ".join(BACKBONES)
-    try:  # a copy already in the Hugging Face cache needs no network
-        return _from_folder(model_id, dtype, trust_remote_code, local_files_only=True)
-    except OSError:
-        pass
+    # a copy already in the Hugging Face cache needs no network: loaded from its snapshot folder, as
+    # `from_pretrained(model_id, local_files_only=True)` still asks the Hub for an adapter config
+    # (with retries: 20+ s offline)
+    snapshot = _cached_snapshot(model_id)
+    if snapshot is not None:
+        try:
+            return _from_folder(snapshot, dtype, trust_remote_code)
+        except OSError:
+            pass  # an incomplete copy (weights not downloaded): from the Hub below
     if not _hub_reachable():
         raise BackboneError(
             f"backbone {model_id!r} is not a known name ({known}), not a local folder, and not in the "
