@@ -562,7 +562,7 @@ def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: i
         with gate:
             h = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, past_key_values=cache,
                             use_cache=True).last_hidden_state[0]
-        every = target.lm_head(h if Q <= target.prefetch_rows else h[: 1 + max(1, Q - extras)]).float()
+        every = target.lm_head(h[: head_rows(Q, extras)]).float()
         seconds = clock() - t0
         if compiled is None:
             return seconds, None

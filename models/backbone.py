@@ -251,9 +251,9 @@ BACKBONES = {
 }
 
 
-def _from_folder(folder: Path | str, dtype: torch.dtype, trust_remote_code: bool, **kw):
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code, **kw)
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kw)
+def _from_folder(folder: Path | str, dtype: torch.dtype, trust_remote_code: bool):
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     return model, tokenizer
 
 
