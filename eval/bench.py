@@ -15,8 +15,9 @@ and dtype, then cached; `eval/bench_forward.py` prints the table), and `ar_stock
 decoder on torch's untouched layers) runs beside it as a check; `--linear onednn` puts every
 product on oneDNN's prepacked kernel (row-invariant); `--linear stock` keeps torch's layers.
 `--device` (auto: CUDA when present) and `--dtype` (auto: bfloat16 on a GPU, float32 on a CPU)
-place the target, its caches and every drafter; on a GPU nothing is packed (`cpu_paths`), so
-there is no `ar_stock`, and the decoder takes its device path (one host read per greedy step).
+place the target, its caches and every drafter; on a GPU `--linear auto` computes the same
+fused products with `F.linear` (no oneDNN, no kernel plan: `mtpkit.models.packed_linear`),
+`ar_stock` runs beside it, and the decoder takes its device path (one host read per greedy step).
 Methods run interleaved prompt by prompt, in an order rotated per prompt, so machine drift hits
 all of them alike.
 
@@ -67,7 +68,7 @@ from mtpkit.models.backbone import (DEFAULT_BACKBONE, add_device_args, eos_token
 from mtpkit.models.drafter import StockAR
 from mtpkit.models.heads import field_docs, write_atomic
 from mtpkit.models.kernel_plan import pack_targets
-from mtpkit.models.packed_linear import LINEARS, onednn_available, packable
+from mtpkit.models.packed_linear import LINEARS, packable
 from mtpkit.models.registry import METHODS
 
 
@@ -160,10 +161,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: %(default)s)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code")
     p.add_argument("--linear", choices=LINEARS, default="auto",
-                   help="the target's linear layers, for every method alike: auto = per row count, the kernel "
-                        "measured fastest on this machine (stock / fused F.linear / oneDNN; cached per machine, "
-                        "model and dtype), onednn = oneDNN's prepacked kernel for every row count (row-invariant), "
-                        "stock = torch's layers untouched (default: %(default)s)")
+                   help="the target's linear layers, for every method alike: auto = on a CPU per row count the "
+                        "kernel measured fastest on this machine (stock / fused F.linear / oneDNN; cached per "
+                        "machine, model and dtype), on a GPU fused F.linear products (q/k/v and gate/up as one, "
+                        "a gated adapter's A rows with them), onednn = oneDNN's prepacked kernel for every row "
+                        "count on a CPU (row-invariant), stock = torch's layers untouched (default: %(default)s)")
     p.add_argument("--retune", action="store_true",
                    help="with --linear auto: measure the kernel plan again (and cache it) even if one is cached")
     p.add_argument("--fuse", type=int, choices=(0, 1), default=1,
@@ -288,8 +290,8 @@ def build(args, device: torch.device, dtype: torch.dtype) -> Setup:
     on the measured kernel plan (a CPU), one warm-up decode per drafter on the first prompt."""
     model, tokenizer = load_backbone(args.backbone, dtype=dtype, trust_remote_code=args.trust_remote_code,
                                      device=device)
-    if args.auto_stock and not (onednn_available() and packable(model)):
-        # nothing will be packed (a GPU, or layers too small): the two ARs would be one
+    if args.auto_stock and not packable(model, linear=args.linear):
+        # nothing will be packed (layers too small, or no oneDNN on a CPU): the two ARs would be one
         del args.parsed[args.methods.index("ar_stock")]
         args.methods.remove("ar_stock")
         args.auto_stock = False

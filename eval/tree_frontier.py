@@ -175,21 +175,27 @@ def calibrate(model, ids: list[int], prompt_len: int, task: str, sampler: bool, 
     return Calibration(task, prompt_len, n, ranks, target_top1.cpu(), head_top1)
 
 
-CALIBRATION_ARGS = ("backbone", "method", "head", "sampler", "masks", "init", "lam", "max_depth", "data", "limit",
-                    "per_category", "skip", "holdout", "max_new_tokens", "temperature", "top_p", "seed", "max_rank",
-                    "dtype")
+CALIBRATION_ARGS = ("backbone", "method", "sampler", "masks", "init", "lam", "max_depth", "limit", "per_category",
+                    "skip", "holdout", "max_new_tokens", "temperature", "top_p", "seed", "max_rank")
 
 
-def calibration_key(args, tasks: dict[str, list[dict]]) -> dict:
-    """What a calibration pass depends on: the options that decide it and every prompt's ids."""
+def calibration_key(args, tasks: dict[str, list[dict]], dtype: torch.dtype) -> dict:
+    """What a calibration pass depends on: the options that decide it, the weight dtype it ran in,
+    the head (a folder by the digest of its files, so a head trained again in the same folder is
+    another head, and a copied folder the same one) and every task's prompt ids (not the data
+    files' paths). A file made on one machine is thereby read on another, e.g. to price the same
+    calibration on a GPU."""
     key = {name: getattr(args, name, None) for name in CALIBRATION_ARGS}
+    key["dtype"] = str(dtype).removeprefix("torch.")
     head = Path(args.head) if getattr(args, "head", "") else None
-    if head is not None and head.is_dir():  # a head trained again in the same folder is another head
+    if head is not None and head.is_dir():
         digest = hashlib.sha256()
         for f in sorted(head.rglob("*")):
             if f.is_file():
                 digest.update(f.relative_to(head).as_posix().encode() + f.read_bytes())
         key["head_digest"] = digest.hexdigest()
+    else:
+        key["head"] = getattr(args, "head", None)
     return {**key, "prompts": {task: [p["ids"] for p in items] for task, items in tasks.items()}}
 
 
@@ -847,7 +853,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(decoded tau vs simulated tau of every bank tree)")
     p.add_argument("--check-trees", type=int, default=6,
                    help="with --holdout: decode the bank's trees and further searched trees (smallest first) up to "
-                        "this many in all")
+                        "this many in all; 0: no check (e.g. a --calibrations file priced on another device, where "
+                        "decoding the held-out prompts costs that device's time)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens of each calibration continuation")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy decoding; > 0: speculative sampling at this temperature: the calibration "
@@ -882,8 +889,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "timing noise get reordered by it) (default: %(default)s)")
     p.add_argument("--linear", choices=LINEARS, default="auto",
                    help="the targets' linear layers, as eval/bench.py --linear (price the trees on the kernels the "
-                        "bench will decode with): auto = the per-machine kernel plan, onednn, stock = torch's layers "
-                        "(default: %(default)s)")
+                        "bench will decode with): auto = the per-machine kernel plan (a GPU: fused F.linear products), "
+                        "onednn, stock = torch's layers (default: %(default)s)")
     p.add_argument("--retune", action="store_true",
                    help="with --linear auto: measure the kernel plans again (and cache them)")
     p.add_argument("--calibrations", default="",
@@ -929,7 +936,7 @@ def main(argv=None) -> dict:
     ar = Target(base)
     cals: dict[str, list[Calibration]] = {}
     held: dict[str, list[tuple[dict, Calibration, list[int]]]] = {}
-    key = calibration_key(args, tasks) if args.calibrations else None  # (reads every file of the head)
+    key = calibration_key(args, tasks, base.dtype) if args.calibrations else None  # (reads every file of the head)
     read = bool(args.calibrations) and Path(args.calibrations).is_file()
     if read:
         cals, held = load_calibrations(args.calibrations, key)
@@ -1031,7 +1038,7 @@ def main(argv=None) -> dict:
     report["switch_cost"] = switch_cost(bank, k, args.cache_len, target.dtype)
     report["schedules"] = schedules
 
-    if args.holdout:
+    if args.holdout and args.check_trees > 0:
         extra = sorted((t for i, t in enumerate(trees) if i not in bank_ids), key=lambda t: t.num_nodes)
         checked = bank + extra[: max(0, args.check_trees - len(bank))]
         report["check"] = check(subject, checked, held, args)

@@ -44,7 +44,7 @@ from torch import nn
 
 from mtpkit.models.backbone import cache_dir
 from mtpkit.models.heads import write_atomic
-from mtpkit.models.packed_linear import KERNELS, PackedGroup, PackedLinear, pack_linears
+from mtpkit.models.packed_linear import KERNELS, PackedGroup, PackedLinear, cpu_paths, pack_linears
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64)  # row counts timed (steps, trees, prefill)
 REPS = 7  # timed rounds per (row count, kernel pair); the first is warm-up
@@ -246,8 +246,8 @@ def tune(model: nn.Module, others=(), *, rows=ROWS, reps: int = REPS, cache_len:
     `retune` measures again). Returns the record of `model` (machine, model, rows, median_ms, plans,
     load, cached; `adapted`: the gated copies' records, if any), or None if `model` has no packed
     group."""
-    if not any(groups_of(model).values()):
-        return None
+    if not any(groups_of(model).values()) or not cpu_paths(next(model.parameters()).device):
+        return None  # nothing packed, or a GPU model (its groups run F.linear for every row count)
     log = log or (lambda msg: print(f"[kernels] {msg}", file=sys.stderr))
     gated = [m for m in others if gate_of(m) is not None]  # each timed on its own
     others = [m for m in others if all(m is not g for g in gated)]

@@ -32,13 +32,20 @@ torch's own 1-row and many-row kernels already do; greedy decoding stays token f
 to AR on the same target except at floating-point near-ties (the bench names those). A plan of
 oneDNN only (`--linear onednn`) is row-invariant.
 
-Inference only: with gradients enabled, or a non-CPU input, or an input dtype other than the
-weights' (fp32 or bf16), every member runs its own unpacked forward (`F.linear` on the same
-weight).
+Inference only: with gradients enabled, or an input on another device, or an input dtype other
+than the weights', every member runs its own unpacked forward (`F.linear` on the same weight).
 
-CPU only: `cpu_paths(device)` is the one test of whether this module's kernels, the kernel plan
-and the other CPU-only decoding paths (MTPC's numpy bookkeeping, its int8 products, the lazy
-per-row LM head) apply. On a GPU nothing is packed and torch's stock kernels run.
+On a GPU (`linear="auto"`): the same groups, computed with `F.linear` on the stacked weight for
+every row count above one (`DEVICE_PLAN`; no oneDNN, no measured plan). A 135M-parameter model decodes there bound by kernel
+launches, not by arithmetic, so one product for q/k/v with their LoRA A rows, and one addmm for
+their gated rows, replace 9 products per attention (SmolLM2: 21 linear launches per gated layer
+become 8, an AR step's 7 become 4). Ungated rows are W x of a wider product, which on a GPU can
+differ from W x alone in the last bits (as a many-row product differs from a one-row one); greedy
+decoding stays token for token equal to AR's except at floating-point near-ties, which the bench
+names.
+
+`cpu_paths(device)` is the one test of whether oneDNN, the kernel plan and the other CPU-only
+decoding paths (MTPC's numpy bookkeeping, its int8 products, the lazy per-row LM head) apply.
 """
 
 from __future__ import annotations
@@ -54,6 +61,12 @@ KERNELS = ("stock", "linear", "onednn")  # what a plan chooses from, per row cou
 PACK_ROWS = 4  # oneDNN picks its kernel by this batch hint; 4 gives row-invariant results
 MIN_PACK = 1 << 16  # elements: smaller weights stay nn.Linear
 DTYPES = (torch.float32, torch.bfloat16)  # what the packed kernels run
+DEVICE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a GPU group runs (F.linear)
+# a GPU group's plan: one row (an AR step) on each member's own layer, more rows fused. On an H200
+# (SmolLM2-135M, fp32) an AR step through the fused groups took 26.0 ms against 21.7 ms on the
+# layers themselves (the group's per-call dispatch and strided outputs), a gated verification
+# step 27.6-28.7 ms against 31.9-35.1 ms
+DEVICE_PLAN = ("stock", "linear")
 
 # projections that read the same input, in the order the layer calls them (Llama, Mistral, Qwen,
 # SmolLM: attention's q/k/v, the MLP's gate/up)
@@ -64,8 +77,8 @@ def cpu_paths(device: torch.device | str) -> bool:
     """Whether the CPU-only speed paths apply on `device`: oneDNN packing and the kernel plan
     (this module, `mtpkit.models.kernel_plan`), MTPC's numpy bookkeeping and int8 products
     (`mtpkit.models.mtpc.decode`) and the decoder's lazy per-row LM head. True only on the CPU;
-    elsewhere torch's stock kernels run and tensors stay on the device (a host read of a GPU
-    tensor waits for the GPU). The decoder's `Target.cpu_paths` holds it per target, so a test
+    elsewhere packed groups compute with `F.linear` and tensors stay on the device (a host read
+    of a GPU tensor waits for the GPU). The decoder's `Target.cpu_paths` holds it per target, so a test
     can run the device path on a CPU."""
     return torch.device(device).type == "cpu"
 
@@ -107,10 +120,11 @@ class PackedGroup:
     Kernel: `plan[min(rows, len(plan)) - 1]` for a call over `rows` rows (`KERNELS`: `stock` =
     each member's own `unpacked` forward, torch's layer exactly; `linear` = `F.linear` on the
     stacked weight; `onednn` = oneDNN on the weight packed by `pack_rows`); no plan = oneDNN for
-    every row count. `mtpkit.models.kernel_plan` measures and sets the plans.
+    every row count. `mtpkit.models.kernel_plan` measures and sets the plans. Off the CPU
+    (`cpu_paths`) a group has no oneDNN: its plan is `DEVICE_PLAN`.
     A member's weight or bias changed in place is packed again at the next call. Not usable
-    (gradients on, a non-CPU input, or an input dtype other than the weights' fp32 or bf16): each
-    member runs its own `unpacked` forward.
+    (gradients on, an input on another device, or an input dtype other than the weights'):
+    each member runs its own `unpacked` forward.
 
     Why fuse: on this CPU a decoding forward of a few rows costs about the same per product
     whatever its width, so 7 products per layer cost visibly more than 4 (SmolLM2-135M, 9 rows on
@@ -126,14 +140,17 @@ class PackedGroup:
         self.lora = [(m.At, m.Bt) for m in members] if gated else []  # ([in, r], [r, out]) per member
         self.gate = members[0].gate if gated else None
         self.tracked = [t for t in self.weights + self.biases if t is not None]
-        self.dtypes = packable_dtypes()  # what `usable` computes in (bf16 only where oneDNN has it)
+        self.device = self.weights[0].device
+        self.onednn = cpu_paths(self.device)  # else a GPU group: F.linear for every row count
+        # what `usable` computes in (on the CPU bf16 only where oneDNN has it)
+        self.dtypes = packable_dtypes() if self.onednn else DEVICE_DTYPES
         self.bounds, start = [], 0  # each member's columns of the output
         for b in bases:
             self.bounds.append((start, start + b.out_features))
             start += b.out_features
         self.out_features = start
         self.single = len(members) == 1
-        self.plan = None  # kernel per row count (index rows - 1); sets stock_numel
+        self.plan = None if self.onednn else DEVICE_PLAN  # kernel per row count (index rows - 1); sets stock_numel
         self.version = None  # `_version`s of the tracked tensors when last packed
         self.input, self.input_version, self.output = None, -1, None
         for i, m in enumerate(members):
@@ -143,8 +160,8 @@ class PackedGroup:
     def usable(self, x: torch.Tensor) -> bool:
         """Whether this group computes forward(x) (else each member runs `unpacked`)."""
         # x.is_cpu is `cpu_paths(x.device)`, inlined: this runs on every product of a forward
-        return (not torch.is_grad_enabled() and x.is_cpu and x.dtype in self.dtypes
-                and x.dtype is self.weights[0].dtype)
+        return (not torch.is_grad_enabled() and (x.is_cpu if self.onednn else x.device == self.device)
+                and x.dtype in self.dtypes and x.dtype is self.weights[0].dtype)
 
     @property
     def plan(self) -> tuple[str, ...] | None:
@@ -154,6 +171,8 @@ class PackedGroup:
     def plan(self, plan: tuple[str, ...] | None) -> None:
         if plan is not None and any(k not in KERNELS for k in plan):
             raise ValueError(f"a kernel plan holds only {KERNELS}, got {plan!r}")
+        if not self.onednn and (plan is None or "onednn" in plan):
+            raise ValueError(f"a group on {self.device} has no oneDNN kernel, got the plan {plan!r}")
         self._plan = None if plan is None else tuple(plan)
         rows = 0  # the leading row counts planned `stock`: a `PackedLinear` call over at most
         while plan is not None and rows < len(plan) and plan[rows] == "stock":  # these many input
@@ -182,7 +201,7 @@ class PackedGroup:
                 parts += [At.new_zeros(At.shape[1]) for At, _ in self.lora]
                 self.bias = parts[0] if len(parts) == 1 else torch.cat(parts)
             self.B = torch.block_diag(*[Bt for _, Bt in self.lora]) if self.lora else None  # [R, out]
-            self.packed = pack_rows(self.weight)
+            self.packed = pack_rows(self.weight) if self.onednn else None
         self.version = [t._version for t in self.tracked]
 
     def _compute(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
@@ -239,24 +258,25 @@ class PackedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {'onednn' if self.group.onednn else 'F.linear'}"
 
 
 def pack_linears(model: nn.Module, linear: str = "auto", min_numel: int | None = None, fuse: bool = True) -> int:
-    """Swap every fp32 or bf16 CPU `nn.Linear` of `model` with at least `min_numel` weights (in place)
-    for a `PackedLinear` (default `MIN_PACK`); returns how many. A gated LoRA linear whose base
-    got packed becomes a group of one with its A rows. With `fuse`, the sibling projections of
-    one input then become one group each (`fuse_siblings`); without, every group has one member.
+    """Swap every `nn.Linear` of `model` that `packable` names (in place) for a `PackedLinear`;
+    returns how many. A gated LoRA linear whose base got packed becomes a group of one with its A
+    rows. With `fuse`, the sibling projections of one input then become one group each
+    (`fuse_siblings`); without, every group has one member.
 
-    linear: `onednn` (error if unavailable), `auto` (oneDNN where available, else nothing),
-    `stock` (nothing). Apply it after every adapter is attached (peft wraps nn.Linear only)."""
+    linear: `onednn` (CPU layers; error if this torch has no oneDNN), `auto` (CPU layers where
+    oneDNN is available, and every GPU layer: `F.linear` groups), `stock` (nothing). Apply it
+    after every adapter is attached (peft wraps nn.Linear only)."""
     if linear not in LINEARS:
         raise ValueError(f"linear must be one of {LINEARS}, got {linear!r}")
-    if linear == "stock" or (linear == "auto" and not onednn_available()):
+    if linear == "stock":
         return 0
-    if not onednn_available():
+    if linear == "onednn" and not onednn_available():
         raise ValueError("linear=onednn: this torch build has no oneDNN (torch.backends.mkldnn)")
-    swaps = packable(model, min_numel)
+    swaps = packable(model, min_numel, linear)
     for name, module in swaps:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, PackedLinear(module))
@@ -277,21 +297,31 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     return DTYPES if bf16 else (torch.float32,)
 
 
-def packable(model: nn.Module, min_numel: int | None = None) -> list[tuple[str, nn.Linear]]:
-    """The (name, layer) of every `nn.Linear` of `model` that `pack_linears` would swap: fp32 (or
-    bf16, `packable_dtypes`), on the CPU, at least `min_numel` weights (default `MIN_PACK`). None
-    on a GPU."""
+def packable(model: nn.Module, min_numel: int | None = None, linear: str = "auto") -> list[tuple[str, nn.Linear]]:
+    """The (name, layer) of every `nn.Linear` of `model` that `pack_linears(model, linear)` would
+    swap, each of at least `min_numel` weights (default `MIN_PACK`): on the CPU, fp32 (or bf16,
+    `packable_dtypes`) where this torch has oneDNN; off it (`linear="auto"` only), fp32, bf16 or
+    fp16 on a GPU (not the meta device, which computes nothing)."""
     min_numel = MIN_PACK if min_numel is None else min_numel
-    dtypes = packable_dtypes()
-    return [(name, m) for name, m in model.named_modules()
-            if type(m) is nn.Linear and m.weight.dtype in dtypes and cpu_paths(m.weight.device)
-            and m.weight.numel() >= min_numel]
+    on_cpu = linear != "stock" and onednn_available()
+    dtypes = packable_dtypes() if on_cpu else ()
+    found = []
+    for name, m in model.named_modules():
+        if type(m) is not nn.Linear or m.weight.numel() < min_numel:
+            continue
+        device = m.weight.device
+        if cpu_paths(device):
+            if m.weight.dtype in dtypes:
+                found.append((name, m))
+        elif linear == "auto" and device.type != "meta" and m.weight.dtype in DEVICE_DTYPES:
+            found.append((name, m))
+    return found
 
 
 def fuse_siblings(model: nn.Module, groups=SIBLINGS) -> int:
     """Merge every set of sibling projections of `model` (all packed linears, or all gated LoRA
-    linears over packed bases sharing one gate, of one input width) into one `PackedGroup`;
-    returns how many groups."""
+    linears over packed bases sharing one gate, of one input width and device) into one
+    `PackedGroup`; returns how many groups."""
     count = 0
     for parent in model.modules():
         for names in groups:
@@ -302,7 +332,8 @@ def fuse_siblings(model: nn.Module, groups=SIBLINGS) -> int:
             gated = all(_is_gated(m) for m in members) and len({id(m.gate) for m in members}) == 1
             if not (plain or gated):
                 continue
-            if len({(m if plain else m.base).in_features for m in members}) != 1:
+            bases = [m if plain else m.base for m in members]
+            if len({b.in_features for b in bases}) != 1 or len({b.weight.device for b in bases}) != 1:
                 continue
             PackedGroup(members)
             count += 1

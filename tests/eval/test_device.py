@@ -127,12 +127,14 @@ def test_mtpc_sampling_takes_the_torch_path_off_the_cpu(tiny_byte, monkeypatch):
                generator=torch.Generator().manual_seed(0))
 
 
-def test_nothing_is_packed_off_the_cpu(tiny, monkeypatch):
+def test_what_is_packed_on_and_off_the_cpu(tiny, monkeypatch):
+    """CPU layers with oneDNN (any `linear` but stock); off the CPU only `auto` packs (a GPU's
+    F.linear groups, tested in tests/models/test_packed_linear.py), and the meta device never."""
     monkeypatch.setattr("mtpkit.models.packed_linear.MIN_PACK", 0)
     assert cpu_paths("cpu") and cpu_paths(torch.device("cpu")) and not cpu_paths("cuda:0")
     model = tiny[0]
-    assert packable(model)
-    assert packable(copy.deepcopy(model).to("meta")) == []  # any non-CPU device: stock layers
+    assert packable(model) and packable(model, linear="onednn") and packable(model, linear="stock") == []
+    assert packable(copy.deepcopy(model).to("meta")) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")

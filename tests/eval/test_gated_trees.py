@@ -409,8 +409,10 @@ def test_tree_frontier_and_bench_end_to_end(tmp_path, monkeypatch):
 
 def test_the_calibration_pass_is_saved_and_read_again(tmp_path, monkeypatch):
     """--calibrations: the first run writes the pass, the second reads it instead of calibrating
-    (the same simulated taus); other options, or a broken file, are refused by name."""
+    (the same simulated taus), also with the head copied elsewhere; other options, another dtype,
+    a changed head or a broken file are refused by name."""
     import copy
+    import shutil
 
     from mtpkit.models.backbone import load_backbone
     from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP, save_head
@@ -419,7 +421,7 @@ def test_the_calibration_pass_is_saved_and_read_again(tmp_path, monkeypatch):
     save_head(GatedMTP(copy.deepcopy(base), GatedLoRAConfig(k=2, rank=4)), tmp_path / "head", "tiny-llama-random")
     cal_file = tmp_path / "cal.pt"
     argv = ["--backbone", "tiny-llama-random", "--head", str(tmp_path / "head"), "--data", "builtin:eval",
-            "--per-category", "2", "--max-new-tokens", "10", "--budgets", "1,2", "--rounds", "2",
+            "--per-category", "2", "--holdout", "1", "--max-new-tokens", "10", "--budgets", "1,2", "--rounds", "2",
             "--calibrations", str(cal_file)]
     first = tf.main(argv + ["--out", str(tmp_path / "a.json")])
     assert cal_file.is_file()
@@ -431,6 +433,18 @@ def test_the_calibration_pass_is_saved_and_read_again(tmp_path, monkeypatch):
     second = tf.main(argv + ["--out", str(tmp_path / "b.json")])
     for task, entry in first["tasks"].items():
         assert [r["sim_tau"] for r in second["tasks"][task]["trees"]] == [r["sim_tau"] for r in entry["trees"]]
+    # the head is keyed by its files, not its path: a copy elsewhere (another machine) reads the pass
+    shutil.copytree(tmp_path / "head", tmp_path / "moved")
+    moved = tf.main([a if a != str(tmp_path / "head") else str(tmp_path / "moved") for a in argv]
+                    + ["--check-trees", "0", "--out", str(tmp_path / "m.json")])
+    assert "check" in first and "check" not in moved  # --check-trees 0: priced, held-out prompts not decoded
+    with pytest.raises(SystemExit, match="other dtype"):
+        tf.main(argv + ["--dtype", "bfloat16", "--out", str(tmp_path / "bf.json")])
+    (tmp_path / "moved" / "mtpkit_config.json").write_text(
+        (tmp_path / "moved" / "mtpkit_config.json").read_text() + " ")
+    with pytest.raises(SystemExit, match="other head_digest"):
+        tf.main([a if a != str(tmp_path / "head") else str(tmp_path / "moved") for a in argv]
+                + ["--out", str(tmp_path / "m2.json")])
     with pytest.raises(SystemExit, match="other max_new_tokens"):
         tf.main([a if a != "10" else "11" for a in argv] + ["--out", str(tmp_path / "c.json")])
     cal_file.write_bytes(b"not a calibration")

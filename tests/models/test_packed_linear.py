@@ -205,3 +205,65 @@ def test_packed_gated_rows_stay_the_base_and_greedy_equals_ar(tiny, tmp_path):
         assert got.tokens == want and got.draft_nodes > 0
         probe_accepted += sum(got.accept_counts)
     assert probe_accepted > 0, "the probe's drafts were never accepted"
+
+
+@torch.no_grad()
+def test_off_the_cpu_groups_fuse_with_f_linear_and_no_onednn(tiny, tmp_path, monkeypatch):
+    """A GPU's groups, made here on CPU tensors with `cpu_paths` answering False: `linear="auto"`
+    packs every layer (`onednn` none), siblings and a gated adapter's A rows fused, each group one
+    F.linear for more than one row and the layers themselves for one (no oneDNN pack, no measured
+    plan); logits as the stock layers',
+    gated rows as the unfused adapter's, and greedy decoding still AR's with drafts accepted."""
+    monkeypatch.setattr("mtpkit.models.packed_linear.cpu_paths", lambda device: False)
+    monkeypatch.setattr("mtpkit.models.kernel_plan.cpu_paths", lambda device: False)
+
+    def no_onednn(weight):
+        raise AssertionError("a oneDNN pack off the CPU")
+    monkeypatch.setattr("mtpkit.models.packed_linear.pack_rows", no_onednn)
+    from mtpkit.models.kernel_plan import tune
+
+    stock = tiny[0]
+    base = copy.deepcopy(stock)
+    assert pack_linears(base, "onednn", min_numel=0) == 0
+    linears = sum(type(m) is nn.Linear for m in base.modules())
+    assert pack_linears(base, "auto", min_numel=0) == linears > 0
+    attn = base.model.layers[0].self_attn
+    group = attn.q_proj.siblings
+    assert group is attn.v_proj.siblings and not group.onednn and group.plan == ("stock", "linear")
+    with pytest.raises(ValueError, match="no oneDNN kernel"):
+        group.plan = None
+    assert tune(base) is None  # nothing to measure: no plan off the CPU
+    calls = []
+    compute = group._compute
+    group._compute = lambda x, kernel: calls.append(kernel) or compute(x, kernel)
+    ids = torch.arange(40, 52)[None]
+    assert torch.allclose(base(ids).logits, stock(ids).logits, atol=1e-4)
+    assert calls == ["linear"]  # q, k and v of the layer: one F.linear
+    one = ids[:, :1]
+    assert torch.equal(base(one).logits, stock(one).logits) and calls == ["linear"]  # one row: the layers themselves
+    group._compute = compute
+
+    save_head(make_gated(copy.deepcopy(stock), k=3, rank=4, seed=11), tmp_path, "tiny-llama-random")
+    lean = to_inference(load_head(tmp_path, copy.deepcopy(stock)))
+    gated_body = lean.peft.get_base_model()
+    assert pack_linears(gated_body, "auto", min_numel=0) > 0
+    gattn = gated_body.model.layers[0].self_attn
+    assert gattn.q_proj.siblings is gattn.k_proj.siblings is not None and len(gattn.q_proj.group.lora) == 3
+    unfused = to_inference(load_head(tmp_path, copy.deepcopy(stock)))  # peft's layers made lean, not packed
+    gate_rows = torch.arange(12)[None] >= 9
+    with lean.gate(gate_rows):
+        got = gated_body(ids).logits
+    with unfused.gate(gate_rows):
+        alone = unfused.peft.get_base_model()(ids).logits
+    assert torch.allclose(got, alone, atol=1e-5)
+    assert not torch.allclose(got[:, 9:], base(ids).logits[:, 9:], atol=1e-3)  # the adapter acts on the masks
+
+    ar = Target(base)
+    prompt = torch.randint(5, 400, (7,), generator=torch.Generator().manual_seed(0)).tolist()
+    want = decode(ar, Drafter(), prompt, 24).tokens
+    for decoding in ("linear", "quadratic"):
+        drafter = OracleGated(want, GatedLoRADraftConfig(decoding=decoding, sampler=False), lean, 0)
+        target = Target(*drafter.adapt(None, {}))
+        target.cpu_paths = False  # the decoder's device path, as on a GPU
+        got = decode(target, drafter, prompt, 24)
+        assert got.tokens == want and sum(got.accept_counts) > 0
