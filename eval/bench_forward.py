@@ -21,8 +21,11 @@ With `--head DIR` (a gated-LoRA head), the same forwards of the head's gated cop
 layers (`gated`), its adapter on for the last third of the new rows (`gated_rows`, as a decoding
 step's masks), so the adapter's cost reads off against the plain model's.
 
-On a GPU (`--device cuda`) nothing is packed: the stock forwards and, with --head, the gated ones
-are timed (each after a device sync).
+On a GPU (`--device cuda`) there is no oneDNN and no plan: the stock forwards and `fused` (the
+packed groups `eval/bench.py --linear auto` decodes with there: q/k/v and gate/up as one
+`F.linear` each for more than one row, the layers themselves for one) are timed, each after a
+device sync; with --head also `gated` (torch's layers) and `gated_fused` (the gated copy packed
+the same way, its adapter's A rows in the groups' products).
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head", default=None,
                    help="a gated-LoRA head folder (train/export.py): also time its gated copy (`gated`)")
     p.add_argument("--device", default="cpu", metavar=DEVICE_CHOICES,
-                   help="where to time: the CPU (packed kernels and their plan too) or a GPU (stock "
-                        "and gated forwards) (default: %(default)s)")
+                   help="where to time: the CPU (packed kernels and their plan too) or a GPU (stock and "
+                        "fused forwards, with --head gated ones on both) (default: %(default)s)")
     args = p.parse_args(argv)
     if args.reps < 3 or args.cache < 1 or min(args.tokens) < 1:
         p.error("--reps must be >= 3, --cache and --tokens >= 1")
@@ -103,12 +106,21 @@ def main(argv=None) -> dict:
                   f"{record['cache_len']}-token cache, * = chosen\n")
             print(plan_table(record) + "\n")
             kinds.update(onednn=onednn, tuned=tuned)
-    gate = None
+    else:
+        fused = copy.deepcopy(model)
+        layers = pack_linears(fused, "auto")
+        if layers:
+            kinds["fused"] = fused
+    gates = {}
     if args.head:
         from mtpkit.models.gated_lora import load_head, to_inference
 
-        lean = to_inference(load_head(args.head, copy.deepcopy(model).cpu())).to(device)
-        kinds["gated"], gate = lean.peft.get_base_model(), lean.gate
+        copies = ["gated"] + (["gated_fused"] if "fused" in kinds else [])
+        for kind in copies:
+            lean = to_inference(load_head(args.head, copy.deepcopy(model).cpu())).to(device)
+            if kind == "gated_fused":
+                pack_linears(lean.peft.get_base_model(), "auto")
+            kinds[kind], gates[kind] = lean.peft.get_base_model(), lean.gate
 
     vocab = model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(0)
@@ -122,8 +134,8 @@ def main(argv=None) -> dict:
             for kind in order:
                 c = copy.deepcopy(cache)
                 on = contextlib.nullcontext()
-                if kind == "gated":
-                    on = gate(torch.arange(t)[None] >= t - gated_rows(t))  # built on the host, as the decoder's
+                if kind in gates:
+                    on = gates[kind](torch.arange(t)[None] >= t - gated_rows(t))  # built on the host, as the decoder's
                 sync(device)
                 t0 = time.perf_counter()
                 with on:
@@ -134,7 +146,7 @@ def main(argv=None) -> dict:
     ms = {k: {t: statistics.median(kept[(k, t)]) for t in args.tokens} for k in kinds}
     spread = {k: {t: [min(kept[(k, t)]), max(kept[(k, t)])] for t in args.tokens} for k in kinds}
     base = ms["stock"][args.tokens[0]]
-    where = f"on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else f"{layers} packed layers"
+    where = f"{layers} packed layers" + (f" on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
     lines = [f"{args.backbone} ({args.dtype}), {args.cache}-token cache, {where}; whole forwards, "
              f"median ms over {args.reps - 2} rounds (cost / stock {args.tokens[0]}-token) [min-max ms]", "",
              "| kernels | " + " | ".join(f"{t} tok" for t in args.tokens) + " |", "|---|" + "---|" * len(args.tokens)]

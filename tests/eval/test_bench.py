@@ -200,6 +200,30 @@ def test_bench_forward_times_a_heads_gated_copy(tmp_path, tiny):
     assert all(res["median_ms"][kind][t] > 0 for kind in ("stock", "gated") for t in (1, 4))
 
 
+def test_bench_forward_off_the_cpu_times_the_fused_groups(tmp_path, tiny, monkeypatch):
+    """A GPU's kinds (made here on CPU tensors with `cpu_paths` answering False): stock and fused,
+    and with --head the gated copy on torch's layers and packed the same way; no kernel plan."""
+    from mtpkit.eval import bench_forward
+    from mtpkit.models.gated_lora import save_head
+    from tests.models.test_gated_lora import make_gated
+
+    for where in ("mtpkit.eval.bench_forward", "mtpkit.models.packed_linear", "mtpkit.models.kernel_plan"):
+        monkeypatch.setattr(f"{where}.cpu_paths", lambda device: False)
+    monkeypatch.setattr("mtpkit.models.packed_linear.MIN_PACK", 0)
+    from mtpkit.models.packed_linear import PackedGroup
+    products = []  # (gated group?, kernel) of every fused product computed
+    compute = PackedGroup._compute
+    monkeypatch.setattr(PackedGroup, "_compute", lambda g, x, kernel: products.append((g.gate is not None, kernel))
+                        or compute(g, x, kernel))
+    save_head(make_gated(tiny[0], k=2, rank=4), tmp_path / "head", "tiny-llama-random")
+    res = bench_forward.main(["--backbone", "tiny-llama-random", "--cache", "8", "--tokens", "1", "4", "--reps", "3",
+                              "--head", str(tmp_path / "head"), "--out", str(tmp_path / "fwd.json")])
+    assert set(res["median_ms"]) == {"stock", "fused", "gated", "gated_fused"}
+    assert res["packed_layers"] > 0 and res["plan"] is None
+    assert {(False, "linear"), (True, "linear")} == set(products)  # the plain and the gated groups, F.linear
+    assert all(res["median_ms"][kind][t] > 0 for kind in res["median_ms"] for t in (1, 4))
+
+
 # --------------------------------------------------------------------------- outputs and bad inputs
 
 @pytest.mark.parametrize("out", ["r/results.md", "r/results.png", "r/results"])
