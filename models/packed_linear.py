@@ -39,7 +39,8 @@ On a GPU (`linear="auto"`): the same groups, computed with `F.linear` on the sta
 every row count above one (`DEVICE_PLAN`; no oneDNN, no measured plan). A 135M-parameter model decodes there bound by kernel
 launches, not by arithmetic, so one product for q/k/v with their LoRA A rows, and one addmm for
 their gated rows, replace 9 products per attention (SmolLM2: 21 linear launches per gated layer
-become 8, an AR step's 7 become 4). Ungated rows are W x of a wider product, which on a GPU can
+become 8, an AR step's 7 become 4). The members' weights become views of the stacked weight, so
+the model's weights stay one copy. Ungated rows are W x of a wider product, which on a GPU can
 differ from W x alone in the last bits (as a many-row product differs from a one-row one); greedy
 decoding stays token for token equal to AR's except at floating-point near-ties, which the bench
 names.
@@ -202,6 +203,11 @@ class PackedGroup:
                 self.bias = parts[0] if len(parts) == 1 else torch.cat(parts)
             self.B = torch.block_diag(*[Bt for _, Bt in self.lora]) if self.lora else None  # [R, out]
             self.packed = pack_rows(self.weight) if self.onednn else None
+            if not self.onednn and len(rows) > 1:
+                # a GPU group keeps one copy of its members' weights (an 8B model's would not fit
+                # twice): each member's weight becomes a view of its rows of the stacked one
+                for w, (lo, hi) in zip(self.weights, self.bounds):
+                    w.data = self.weight[lo:hi]
         self.version = [t._version for t in self.tracked]
 
     def _compute(self, x: torch.Tensor, kernel: str) -> torch.Tensor:

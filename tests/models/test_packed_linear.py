@@ -239,9 +239,25 @@ def test_off_the_cpu_groups_fuse_with_f_linear_and_no_onednn(tiny, tmp_path, mon
     ids = torch.arange(40, 52)[None]
     assert torch.allclose(base(ids).logits, stock(ids).logits, atol=1e-4)
     assert calls == ["linear"]  # q, k and v of the layer: one F.linear
+    # one copy of the weights: each member's is a view of its rows of the stacked product's weight
+    storage = group.weight.untyped_storage().data_ptr()
+    assert all(m.weight.untyped_storage().data_ptr() == storage for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert torch.equal(attn.k_proj.weight, stock.model.layers[0].self_attn.k_proj.weight)
+    packs = []
+    pack = group._pack
+    group._pack = lambda: packs.append(1) or pack()
+    base(ids)
+    assert packs == []  # the views made no repack
     one = ids[:, :1]
-    assert torch.equal(base(one).logits, stock(one).logits) and calls == ["linear"]  # one row: the layers themselves
+    assert torch.equal(base(one).logits, stock(one).logits) and calls == ["linear"] * 2  # one row: the layers themselves
     group._compute = compute
+    changed = copy.deepcopy(stock)
+    attn.k_proj.weight.mul_(2.0)  # an in-place change of a member: the group computes with it
+    changed.model.layers[0].self_attn.k_proj.weight.mul_(2.0)
+    assert torch.allclose(base(ids).logits, changed(ids).logits, atol=1e-4)
+    assert not torch.allclose(base(ids).logits, stock(ids).logits, atol=1e-3)
+    attn.k_proj.weight.mul_(0.5)
+    group._pack = pack
 
     save_head(make_gated(copy.deepcopy(stock), k=3, rank=4, seed=11), tmp_path, "tiny-llama-random")
     lean = to_inference(load_head(tmp_path, copy.deepcopy(stock)))
