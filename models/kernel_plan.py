@@ -247,7 +247,7 @@ def tune(model: nn.Module, others=(), *, rows=ROWS, reps: int = REPS, cache_len:
     load, cached; `adapted`: the gated copies' records, if any), or None if `model` has no packed
     group."""
     if not any(groups_of(model).values()) or not cpu_paths(next(model.parameters()).device):
-        return None  # nothing packed, or a GPU model (its groups run F.linear for every row count)
+        return None  # nothing packed, or a GPU model (its groups run DEVICE_PLAN, nothing to measure)
     log = log or (lambda msg: print(f"[kernels] {msg}", file=sys.stderr))
     gated = [m for m in others if gate_of(m) is not None]  # each timed on its own
     others = [m for m in others if all(m is not g for g in gated)]
@@ -297,7 +297,7 @@ def pack_targets(model: nn.Module, others=(), linear: str = "auto", fuse: bool =
                  log=None) -> dict | None:
     """Pack `model` and every other target in `others` (adapted copies of it) for decoding
     (`pack_linears`) and, with `linear="auto"`, give each its kernel plan (`tune`). Returns tune's
-    record, or None (`linear` stock or onednn, or nothing packed: a GPU). Call it once every
+    record, or None (`linear` stock or onednn, nothing packed, or a GPU). Call it once every
     adapter is attached and before building the decoder's `Target`s."""
     distinct = {id(model): model, **{id(m): m for m in others}}
     for m in distinct.values():

@@ -142,7 +142,7 @@ class PackedGroup:
         self.gate = members[0].gate if gated else None
         self.tracked = [t for t in self.weights + self.biases if t is not None]
         self.device = self.weights[0].device
-        self.onednn = cpu_paths(self.device)  # else a GPU group: F.linear for every row count
+        self.onednn = cpu_paths(self.device)  # else a GPU group: no oneDNN, F.linear (DEVICE_PLAN)
         # what `usable` computes in (on the CPU bf16 only where oneDNN has it)
         self.dtypes = packable_dtypes() if self.onednn else DEVICE_DTYPES
         self.bounds, start = [], 0  # each member's columns of the output
