@@ -36,9 +36,9 @@ Inference only: with gradients enabled, or an input on another device, or an inp
 than the weights', every member runs its own unpacked forward (`F.linear` on the same weight).
 
 On a GPU (`linear="auto"`): the same groups, computed with `F.linear` on the stacked weight for
-every row count above one (`DEVICE_PLAN`; no oneDNN, no measured plan). A 135M-parameter model decodes there bound by kernel
-launches, not by arithmetic, so one product for q/k/v with their LoRA A rows, and one addmm for
-their gated rows, replace 9 products per attention (SmolLM2: 21 linear launches per gated layer
+every row count above one (`DEVICE_PLAN`; no oneDNN, no measured plan). A 135M-parameter model
+decodes there bound by kernel launches, not by arithmetic, so one product for q/k/v with their
+LoRA A rows, and one addmm for their gated rows, replace 9 products per attention (SmolLM2: 21 linear launches per gated layer
 become 8, an AR step's 7 become 4). The members' weights become views of the stacked weight, so
 the model's weights stay one copy. Ungated rows are W x of a wider product, which on a GPU can
 differ from W x alone in the last bits (as a many-row product differs from a one-row one); greedy
@@ -264,7 +264,8 @@ class PackedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {'onednn' if self.group.onednn else 'F.linear'}"
+        kernel = "onednn" if self.group.onednn else "F.linear"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kernel}"
 
 
 def pack_linears(model: nn.Module, linear: str = "auto", min_numel: int | None = None, fuse: bool = True) -> int:
