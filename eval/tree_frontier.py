@@ -71,7 +71,9 @@ rollout, a throughput frontier, static / ladder / hysteresis schedules).
    above, and the other way round, where a bigger step pays on the doubtful steps; tau_on swept
    from 0, always the second tree, to above every path value, never: a switch that pays on no
    threshold leaves hyst on its first tree; tau_off = --hyst-ratio x tau_on; the path value's
-   depth swept too unless --value-depth fixes it).
+   depth swept too unless --value-depth fixes it; for a mask-token drafter every pair is also swept
+   on the EMA of the target's top-1 probability over the generated tokens, `--ema-alphas`, and
+   the faster signal kept).
    Greedy mask drafters also get the future-known bound (`oracle`): the fastest any schedule over
    the pool could be, each step's tree chosen knowing every tree's accept length there, and the
    same with plain AR steps allowed; how far the schedules are from it says how much a better
@@ -390,6 +392,9 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
     depth = max(trees[i].depth for i in schedule.trees)
     if depth > k:
         raise ValueError(f"a tree of depth {depth} needs more than the head's k={k} masks")
+    ema = schedule.switches and schedule.signal == "ema"
+    if ema and any(cal.cycle != "block" for cal in cals):
+        raise ValueError("signal=ema schedules are for mask-token drafters; MTPC schedules read the path value")
     if any(cal.accept is not None for cal in cals):
         return rollout_sampled(cals, trees, schedule, replicas, seed)
     steps = tokens = 0
@@ -403,10 +408,15 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
         # last prompt token's state drafts next
         bonus = 0 if alg2 else 1
         steps, tokens, gen, j, has = steps + 1, tokens + min(bonus, cal.n), bonus, 0, True
+        # signal=ema: the target's top-1 probability of every generated token (token j: at anchor j)
+        top1 = cal.target_top1.tolist() if ema else []
+        value = schedule.smooth(None, top1[:1])  # the prompt forward's token
         while gen < cal.n:
             if has:
                 if schedule.switches:
-                    position = schedule.next(position, path_value(cal, j, schedule.depth_of_value(depth)))
+                    if not ema:
+                        value = path_value(cal, j, schedule.depth_of_value(depth))
+                    position = schedule.next(position, value)
                 tree = trees[schedule.trees[position]]
                 L = accept_length(tree, ranks[j])
                 anchors.append((c, j))
@@ -419,6 +429,8 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
             else:  # mask drafter: the root's block alone, and its bonus; MTPC: the kept bonus's state, no tokens
                 L, new, has = 0, 0 if alg2 else 1, True
                 used.append(None)
+            if ema:  # the step's tokens j + 1 .. j + new, predicted by its root's and accepted nodes' rows
+                value = schedule.smooth(value, top1[j + 1: j + 1 + new])
             steps += 1
             tokens += min(new, cal.n - gen)
             gen += new
@@ -763,10 +775,15 @@ def oracle(cals: list[Calibration], trees: list[Topology], pool: list[int], cost
     return max(results, key=lambda r: r["sim_tokens_per_s"])
 
 
-def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: float, value_depth: int = 0) -> dict:
+def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: float, value_depth: int = 0,
+                        ema_alphas: tuple[float, ...] = ()) -> dict:
     """Static, ladder and hyst schedules of one task (indices into `trees`), swept in simulation.
     The ladder's path value is `value_depth` deep (0: the deepest tree's depth); hyst's depth is
     swept from 1 to the deepest tree's with its pair and threshold unless `value_depth` fixes it.
+    With `ema_alphas` (mask-token drafters) hyst's pairs are also swept on the EMA signal (the
+    target's top-1 probability averaged over the generated tokens, each alpha, thresholds at the
+    quantiles of that probability); hyst is the faster signal's best, and its entry's `by_signal`
+    holds each signal's best.
     Hyst pairs every two pool trees in both orders: the first is used below tau_on, the second
     above it, so the sweep also finds a pair whose bigger step pays on the doubtful steps (the
     chain-block tree's extra root block proposes again after a rejection). Where no pair is faster
@@ -815,11 +832,23 @@ def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: flo
         # last, the static tree itself: a pair's trees share the deeper one's blocks, so where the
         # static tree is shallower than every pair it is in, no pair reaches it
         candidates.append(Schedule("hyst", [static, static], [ratio * NEVER, NEVER]))
-        out["hyst"] = max(candidates, key=lambda s: speed(s)[0])  # equals: the default depth, the small tree below
+        by_signal = {"path": max(candidates, key=lambda s: speed(s)[0])}  # equals: the default depth, the small tree below
+        if ema_alphas and all(cal.cycle == "block" for cal in cals):
+            top1 = sorted(p for cal in cals for p in cal.target_top1.tolist())
+            sweep = sorted({top1[int(q * (len(top1) - 1))] for q in [i / 20 for i in range(1, 20)]})
+            by_signal["ema"] = max((Schedule("hyst", [a, b], [ratio * v, v], signal="ema", alpha=alpha)
+                                    for a, b in pairs for alpha in ema_alphas for v in sweep), key=lambda s: speed(s)[0])
+        out["hyst"] = max(by_signal.values(), key=lambda s: speed(s)[0])  # equals: the path value
     result = {}
     for name, schedule in out.items():
         s, tau = speed(schedule)
         result[name] = {**schedule.to_json(), "sim_tau": round(tau, 4), "sim_tokens_per_s": round(s, 2)}
+    if "hyst" in out and len(by_signal) > 1:
+        result["hyst"]["by_signal"] = {}
+        for signal, schedule in by_signal.items():
+            s, tau = speed(schedule)
+            result["hyst"]["by_signal"][signal] = {**schedule.to_json(), "sim_tau": round(tau, 4),
+                                                   "sim_tokens_per_s": round(s, 2)}
     return result
 
 
@@ -876,6 +905,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ladder and hyst: depths of the head's top-1 chain in the path value (0: the ladder as deep "
                         "as the deepest scheduled tree, hyst swept from 1 to that depth). An MTPC head queries them one after another, each a sequential "
                         "circuit query per step; 1 costs none (the tree's first query)")
+    p.add_argument("--ema-alphas", default="0.5,0.8,0.9",
+                   help="hyst: also sweep each pair on the EMA signal (the target's top-1 probability averaged "
+                        "over the generated tokens, weight alpha on the old value) with these alphas; the faster "
+                        "signal is kept. '' = the path value only; gated_lora and probe only (default: %(default)s)")
     p.add_argument("--pool-speed", type=float, default=0.8,
                    help="the schedules may also use trees of the tau frontier whose simulated tokens/s is at least "
                         "this share of the best tree's (they join the bank)")
@@ -910,6 +943,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--budgets: node counts must be >= 1")
     if args.value_depth < 0:
         p.error(f"--value-depth {args.value_depth}: must be >= 0")
+    try:
+        args.ema_alphas = tuple(sorted({float(a) for a in args.ema_alphas.split(",") if a.strip()}))
+    except ValueError:
+        p.error(f"--ema-alphas {args.ema_alphas!r}: comma-separated numbers in [0, 1), e.g. 0.5,0.8,0.9")
+    if any(not 0.0 <= a < 1.0 for a in args.ema_alphas):
+        p.error(f"--ema-alphas {args.ema_alphas}: each alpha must be in [0, 1)")
     args.blocks = list(dict.fromkeys(b.strip() for b in args.blocks.split(",")))
     for b in args.blocks:
         if b not in BLOCKS:
@@ -1025,7 +1064,8 @@ def main(argv=None) -> dict:
     schedules = {}
     for task, task_cals in cals.items():
         task_trees = [renumber[i] for i in task_frontiers[task]]
-        schedules[task] = calibrate_schedules(task_cals, bank, task_trees, k, costs, args.hyst_ratio, args.value_depth)
+        schedules[task] = calibrate_schedules(task_cals, bank, task_trees, k, costs, args.hyst_ratio, args.value_depth,
+                                               args.ema_alphas)
         report["tasks"][task]["schedules"] = schedules[task]
         bounds = [oracle(task_cals, bank, task_trees, costs, ar_steps) for ar_steps in (False, True)]
         if bounds[0] is not None:
@@ -1239,14 +1279,22 @@ def markdown(report: dict) -> str:
                          f"| {r['sim_tokens_per_s'] / t['sim_ar_tokens_per_s']:.2f}x | {'' if r['bank'] is None else r['bank']} |")
         lines += ["", "| schedule | trees | thresholds | sim tau | sim tok/s |", "|---|---|---|---|---|"]
         for name, s in t["schedules"].items():
-            if s.get("value_depth"):
+            if s.get("signal") == "ema":
+                name = f"{name} (EMA of the target's top-1, alpha {s['alpha']})"
+            elif s.get("value_depth"):
                 name = f"{name} (path value {s['value_depth']} deep)"
             thresholds = [round(x, 4) for x in s["thresholds"]]
             if s["kind"] == "hyst" and s["thresholds"][1] >= NEVER:
                 thresholds = f"{thresholds}: never on, no threshold paid"
             lines.append(f"| {name} | {s['trees']} | {thresholds} | {s['sim_tau']:.3f} | {s['sim_tokens_per_s']:.1f} |")
+        static = t["schedules"]["static"]["sim_tokens_per_s"]
+        signals = t["schedules"].get("hyst", {}).get("by_signal")
+        if signals:
+            lines += ["", "Hyst's best pair on each signal: " + ", ".join(
+                f"{'path value' if name == 'path' else 'EMA (alpha ' + str(b['alpha']) + ')'} "
+                f"{b['sim_tokens_per_s']:.1f} tok/s ({b['sim_tokens_per_s'] / static:.3f}x static, trees {b['trees']})"
+                for name, b in signals.items()) + "."]
         if "oracle" in t:
-            static = t["schedules"]["static"]["sim_tokens_per_s"]
             o, oa = t["oracle"], t["oracle_ar"]
             lines += ["", f"The future known (an upper bound of every schedule over this task's trees, reached with "
                           f"trees {o['trees']} on {o['block']}-mask blocks): "

@@ -31,6 +31,12 @@ to an index into the bank:
   `low` is the conservative tree and `high` the aggressive one; `eval/tree_frontier.py` also
   tries the other order (a bigger step on the doubtful steps: a chain-block tree's root block
   proposes again after a rejection, which pays where the draft is likely rejected).
+
+A schedule's `signal` says what v is: `path` (the path value above) or `ema`, a running estimate
+of local predictability, the exponential moving average of the target's top-1 probability over
+the tokens generated so far (v <- alpha v + (1 - alpha) p per token, p read off the verifier's
+rows that predicted the step's tokens: the root and the accepted nodes). `ema` is for the
+mask-token drafters (gated LoRA, the probe); MTPC schedules read the path value.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ def children_of(parents: torch.Tensor | list[int], num_nodes: int) -> list[list[
 
 BLOCKS = ("chain", "all", "root", "leaf")
 SCHEDULES = ("static", "ladder", "hyst")
+SIGNALS = ("path", "ema")
 
 
 def parse_paths(spec) -> list[tuple[int, ...]]:
@@ -225,10 +232,19 @@ class Schedule:
     thresholds: list[float] = field(default_factory=list)
     value_depth: int = 0
     """depths of the head's chain in the path value (0: as deep as the deepest scheduled tree)"""
+    signal: str = "path"
+    """what the thresholds compare: path (the path value) or ema (the target's top-1 probability
+    averaged over the generated tokens with weight `alpha` on the old value)"""
+    alpha: float = 0.0
+    """signal=ema: the weight of the running average, in [0, 1) (0: the last token's alone)"""
 
     def __post_init__(self):
         if self.kind not in SCHEDULES:
             raise ValueError(f"tree schedule must be one of {SCHEDULES}, got {self.kind!r}")
+        if self.signal not in SIGNALS:
+            raise ValueError(f"tree schedule signal must be one of {SIGNALS}, got {self.signal!r}")
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"tree schedule: alpha {self.alpha} must be in [0, 1)")
         if self.kind == "ladder" and len(self.thresholds) != len(self.trees) - 1:
             raise ValueError(f"ladder schedule: {len(self.trees)} trees need {len(self.trees) - 1} thresholds, "
                              f"got {self.thresholds}")
@@ -263,9 +279,20 @@ class Schedule:
             return 1 if value >= tau_on else 0
         return 0 if value < tau_off else 1
 
+    def smooth(self, ema: float | None, probs) -> float | None:
+        """signal=ema: the average after tokens whose target top-1 probabilities are `probs`, in
+        order, from `ema` (None: no token yet, so the first token's probability starts it)."""
+        for p in probs:
+            ema = float(p) if ema is None else self.alpha * ema + (1.0 - self.alpha) * float(p)
+        return ema
+
     def to_json(self) -> dict:
         out = {"kind": self.kind, "trees": list(self.trees), "thresholds": list(self.thresholds)}
-        return {**out, "value_depth": self.value_depth} if self.value_depth else out
+        if self.value_depth:
+            out["value_depth"] = self.value_depth
+        if self.signal != "path":
+            out.update(signal=self.signal, alpha=self.alpha)
+        return out
 
     def depth_of_value(self, deepest: int) -> int:
         """Depths of the head's chain the path value multiplies, for a deepest tree of `deepest`."""
@@ -363,7 +390,8 @@ def tree_schedule(options: TreeOptions, schedules: dict, n_trees: int, method: s
         raise ValueError(f"{method} schedule={options.schedule}: the bank {options.tree} has no calibrated "
                          f"{options.schedule!r} schedule (has {sorted(schedules)}); run eval/tree_frontier.py")
     entry = schedules[options.schedule]  # the bank's entry also holds its simulated tau and tokens/s
-    return Schedule(entry["kind"], list(entry["trees"]), list(entry.get("thresholds", [])), entry.get("value_depth", 0))
+    return Schedule(entry["kind"], list(entry["trees"]), list(entry.get("thresholds", [])), entry.get("value_depth", 0),
+                    entry.get("signal", "path"), entry.get("alpha", 0.0))
 
 
 class MaskTreeDrafting:
@@ -397,6 +425,7 @@ class MaskTreeDrafting:
             self.bank = TopologyBank(self.trees, block)
         self.block = block
         self.position = self.schedule.start()  # index into schedule.trees
+        self.ema = None  # signal=ema: the running average (None until the first token)
         self.current = None  # the compiled tree of the draft in flight (None: no draft)
         self.tree_tokens: list[int] = []
         if self.tree_options.log and self.tree_log is None:  # line-buffered: one line per step, kept on a crash
@@ -419,11 +448,14 @@ class MaskTreeDrafting:
             rows = self.current.block_rows.get(step.last_node)
         used = self.schedule.trees[self.position] if self.current is not None else None
         value = None
+        reads_ema = self.schedule.switches and self.schedule.signal == "ema"
+        if reads_ema:  # every step's tokens, whether or not the next step drafts
+            self.ema = self.schedule.smooth(self.ema, self.top1([0] + step.accepted, step))
         if rows is None:  # the deepest accepted node carries no mask block: no speculation next
             self.current, self.tree_tokens = None, []
         else:
             if self.schedule.switches:
-                value = self.path_value(step, rows)
+                value = self.ema if reads_ema else self.path_value(step, rows)
                 self.position = self.schedule.next(self.position, value)
             self.current = self.bank.get(self.schedule.trees[self.position])
             self.tree_tokens = self.candidates(step, rows, self.current)
@@ -437,8 +469,12 @@ class MaskTreeDrafting:
         node (its bonus token) times the mask head's top-1 probability at every mask of the block
         (the schedule's first `value_depth`). Read off logits the verifier computes anyway."""
         depth = self.schedule.depth_of_value(self.block)
-        probs = torch.softmax(step.logits([step.last_node] + rows[:depth]).float(), -1).amax(-1)
-        return float(probs.prod())
+        return float(self.top1([step.last_node] + rows[:depth], step).prod())
+
+    @staticmethod
+    def top1(rows: list[int], step: StepOutput) -> torch.Tensor:
+        """The top-1 probability of the step's logits at each of `rows`."""
+        return torch.softmax(step.logits(rows).float(), -1).amax(-1)
 
     def candidates(self, step: StepOutput, rows: list[int], compiled: Compiled) -> list[int]:
         """Tokens of every node of `compiled`'s tree from the mask block at `rows` (Medusa-style):

@@ -146,6 +146,9 @@ def load_trees(options: TreeOptions) -> tuple[list[Topology], Schedule]:
     except (ValueError, TypeError) as e:  # a JSONDecodeError is a ValueError; a path not a list: TypeError
         raise ValueError(f"mtpc tree={options.tree!r}: {e}") from None
     schedule = tree_schedule(options, schedules, len(trees), f"mtpc tree={options.tree!r}")
+    if schedule.signal != "path":
+        raise ValueError(f"mtpc tree={options.tree!r} schedule={options.schedule}: signal {schedule.signal!r}; "
+                         "MTPC schedules read the path value (signal 'path')")
     for i in schedule.trees:
         if not trees[i].num_nodes:
             raise ValueError(f"mtpc tree={options.tree!r}: tree {i} is empty")

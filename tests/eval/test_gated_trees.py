@@ -20,6 +20,7 @@ from tests.eval.test_gated_sampling import PROMPT, close_head, exact_joint, samp
 
 BRANCHY = "[[0],[1],[0,0],[0,1],[1,0]]"
 PROMPTS = [PROMPT, [1, 2], [4, 0, 2, 2], [3], [2, 4, 1, 0, 0]]
+EMA_THRESHOLDS = [0.6, 0.65]  # (tau_off, tau_on) of the EMA signal, inside the range it takes on PROMPTS
 
 
 def test_topologies_from_paths():
@@ -63,6 +64,13 @@ def test_schedules():
         Schedule("hyst", [0, 1], [0.7, 0.6])
     with pytest.raises(ValueError, match="thresholds"):
         Schedule("ladder", [0, 1, 2], [0.5])
+    ema = Schedule("hyst", [0, 1], [0.3, 0.6], signal="ema", alpha=0.75)
+    assert ema.smooth(None, [0.2]) == 0.2 and ema.smooth(0.2, [1.0, 0.6]) == pytest.approx(0.75 * 0.4 + 0.25 * 0.6)
+    assert Schedule(**ema.to_json()) == ema and "signal" not in hyst.to_json()
+    with pytest.raises(ValueError, match="signal"):
+        Schedule("hyst", [0, 1], [0.3, 0.6], signal="entropy")
+    with pytest.raises(ValueError, match="alpha"):
+        Schedule("hyst", [0, 1], [0.3, 0.6], signal="ema", alpha=1.0)
 
 
 def _bank(tmp_path, trees, schedules=None) -> str:
@@ -136,17 +144,20 @@ def test_blocks_option_is_checked(small, tmp_path):
         tf.parse_args(["--head", "x", "--data", "builtin:eval", "--out", "b.json", "--blocks", "chain,leaves"])
 
 
-@pytest.mark.parametrize("kind,device_path,value_depth,order", [("ladder", False, 0, [0, 1]), ("hyst", False, 0, [0, 1]),
-                                                               ("hyst", True, 0, [0, 1]), ("hyst", False, 1, [0, 1]),
-                                                               ("hyst", False, 0, [1, 0])])
-def test_schedules_switch_trees_exactly_as_simulated(small, tmp_path, kind, device_path, value_depth, order):
+@pytest.mark.parametrize("kind,device_path,value_depth,order,signal", [
+    ("ladder", False, 0, [0, 1], "path"), ("hyst", False, 0, [0, 1], "path"), ("hyst", True, 0, [0, 1], "path"),
+    ("hyst", False, 1, [0, 1], "path"), ("hyst", False, 0, [1, 0], "path"), ("hyst", False, 0, [0, 1], "ema"),
+    ("hyst", True, 0, [1, 0], "ema")])
+def test_schedules_switch_trees_exactly_as_simulated(small, tmp_path, kind, device_path, value_depth, order, signal):
     """A schedule's steps are the simulator's, on the CPU path and on the device path (what a GPU
     runs: `cpu_paths` off, one host read per greedy step), with the path value over the whole
-    block or its first `value_depth` masks, and with hyst's bigger tree below tau_on."""
+    block or its first `value_depth` masks, with hyst's bigger tree below tau_on, and on the EMA
+    signal (the target's top-1 probability averaged over the generated tokens)."""
     head = close_head(small)
     trees = [Topology("chain1"), Topology(BRANCHY)]
-    schedule = {"kind": kind, "trees": order, "thresholds": [0.25] if kind == "ladder" else [0.2, 0.3],
-                "value_depth": value_depth}
+    thresholds = [0.25] if kind == "ladder" else [0.2, 0.3] if signal == "path" else EMA_THRESHOLDS
+    schedule = {"kind": kind, "trees": order, "thresholds": thresholds, "value_depth": value_depth,
+                **({"signal": "ema", "alpha": 0.6} if signal == "ema" else {})}
     log = tmp_path / "steps.jsonl"
     entry = {**schedule, "sim_tau": 1.5, "sim_tokens_per_s": 20.0}  # as eval/tree_frontier.py writes it
     drafter = GatedLoRADrafter(GatedLoRADraftConfig(tree=_bank(tmp_path, trees, {kind: entry}), schedule=kind,
@@ -241,6 +252,25 @@ def test_schedules_over_both_placements_of_one_size(small):
     assert out["hyst"]["sim_tokens_per_s"] > out["static"]["sim_tokens_per_s"]
     assert out["hyst"]["sim_tokens_per_s"] <= tf.oracle(cals, trees, [0, 1], costs)["sim_tokens_per_s"]
     assert tf.frontier(trees, [2.0, 3.0]) == [1] and tf.frontier(trees, [3.0, 2.0]) == [0]  # a tie: the better
+
+
+def test_hyst_is_swept_on_both_signals_and_keeps_the_faster(small):
+    """With EMA alphas the hyst sweep also pairs the trees on the EMA signal: each signal's best is
+    in `by_signal`, hyst is the faster one, and its simulated speed is its schedule's rollout."""
+    cals = close_calibrations(small)
+    trees = [Topology("chain1", "leaf", name="leaf1"), Topology("chain1", "chain", name="chain1")]
+    costs = {"prefill": 1.0, "ar": 1.0, "none@1": 1.1, "leaf1@1": 1.2, "chain1@1": 1.4}
+    out = tf.calibrate_schedules(cals, trees, [1, 0], 2, costs, 0.8, ema_alphas=(0.3, 0.8))
+    signals = out["hyst"]["by_signal"]
+    assert set(signals) == {"path", "ema"} and signals["ema"]["signal"] == "ema"
+    assert signals["ema"]["alpha"] in (0.3, 0.8) and "signal" not in signals["path"]
+    best = max(signals.values(), key=lambda b: b["sim_tokens_per_s"])
+    assert out["hyst"]["sim_tokens_per_s"] == best["sim_tokens_per_s"] and out["hyst"]["trees"] == best["trees"]
+    for b in signals.values():
+        entry = {name: b[name] for name in ("kind", "trees", "thresholds", "signal", "alpha") if name in b}
+        sim = tf.rollout(cals, trees, 2, Schedule(**entry))
+        assert round(tf.tokens_per_s(sim, cals, costs, trees), 2) == b["sim_tokens_per_s"]
+    assert "by_signal" not in tf.calibrate_schedules(cals, trees, [1, 0], 2, costs, 0.8)["hyst"]
 
 
 def test_hyst_is_never_calibrated_below_its_conservative_tree(small):

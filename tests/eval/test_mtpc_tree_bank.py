@@ -144,6 +144,10 @@ def test_tree_frontier_for_mtpc_and_bench_end_to_end(tmp_path):
         tf.rollout_sampled([tf.Calibration("t", 3, 2, torch.zeros(2, 3, dtype=torch.long), torch.ones(2),
                                            torch.ones(2, 3), "alg2", torch.ones(2, 4), torch.ones(2, 3), 4)],
                            [Topology(BRANCHY)], Schedule("static", [0]), 1, 0)
+    with pytest.raises(ValueError, match="signal=ema"):
+        tf.rollout([tf.Calibration("t", 3, 2, torch.zeros(2, 3, dtype=torch.long), torch.ones(2),
+                                   torch.ones(2, 3), "alg2")], [Topology("chain1"), Topology("chain2")], 3,
+                   Schedule("hyst", [0, 1], [0.2, 0.3], signal="ema", alpha=0.5))
 
 
 def fitted_to_samples(backbone, target, temperature, draws=8, steps=40):

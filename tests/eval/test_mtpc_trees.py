@@ -160,6 +160,11 @@ def test_bad_trees_are_refused(tiny_byte, tmp_path):
         MTPCDrafter(MTPCDraftConfig(tree="chain4", cycle="bonus"), model=head)
     with pytest.raises(ValueError, match="tree=.*verify=path"):
         MTPCDrafter(MTPCDraftConfig(tree="chain2", verify="path"), model=head)
+    ema = {"kind": "hyst", "trees": [0, 1], "thresholds": [0.2, 0.3], "signal": "ema", "alpha": 0.5}
+    bank.write_text(json.dumps({"trees": [{"paths": [[0], [1]]}, {"paths": [[0], [0, 0]]}],
+                                "schedules": {"t": {"hyst": ema}}}))
+    with pytest.raises(ValueError, match="signal 'ema'"):  # MTPC schedules read the path value
+        MTPCDrafter(MTPCDraftConfig(tree=str(bank), schedule="hyst"), model=head)
     MTPCDrafter(MTPCDraftConfig(tree="chain4"), model=head)  # as deep as the window: fine
 
 
