@@ -788,9 +788,18 @@ def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: flo
     above it, so the sweep also finds a pair whose bigger step pays on the doubtful steps (the
     chain-block tree's extra root block proposes again after a rejection). Where no pair is faster
     than the static tree, hyst is the static tree (trees (s, s)): never slower in simulation."""
+    simulated = {}  # a schedule is simulated once: the sweep's winners are read again below
+
     def speed(schedule):
-        sim = rollout(cals, trees, k, schedule)
-        return tokens_per_s(sim, cals, costs, trees), sim.tau
+        key = json.dumps(schedule.to_json())
+        if key not in simulated:
+            sim = rollout(cals, trees, k, schedule)
+            simulated[key] = tokens_per_s(sim, cals, costs, trees), sim.tau
+        return simulated[key]
+
+    def entry(schedule) -> dict:
+        s, tau = speed(schedule)
+        return {**schedule.to_json(), "sim_tau": round(tau, 4), "sim_tokens_per_s": round(s, 2)}
 
     static = max(task_trees, key=lambda i: speed(Schedule("static", [i]))[0])
     out = {"static": Schedule("static", [static])}
@@ -839,16 +848,9 @@ def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: flo
             by_signal["ema"] = max((Schedule("hyst", [a, b], [ratio * v, v], signal="ema", alpha=alpha)
                                     for a, b in pairs for alpha in ema_alphas for v in sweep), key=lambda s: speed(s)[0])
         out["hyst"] = max(by_signal.values(), key=lambda s: speed(s)[0])  # equals: the path value
-    result = {}
-    for name, schedule in out.items():
-        s, tau = speed(schedule)
-        result[name] = {**schedule.to_json(), "sim_tau": round(tau, 4), "sim_tokens_per_s": round(s, 2)}
+    result = {name: entry(schedule) for name, schedule in out.items()}
     if "hyst" in out and len(by_signal) > 1:
-        result["hyst"]["by_signal"] = {}
-        for signal, schedule in by_signal.items():
-            s, tau = speed(schedule)
-            result["hyst"]["by_signal"][signal] = {**schedule.to_json(), "sim_tau": round(tau, 4),
-                                                   "sim_tokens_per_s": round(s, 2)}
+        result["hyst"]["by_signal"] = {signal: entry(schedule) for signal, schedule in by_signal.items()}
     return result
 
 
