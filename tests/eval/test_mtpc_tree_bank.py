@@ -173,8 +173,7 @@ def fitted_to_samples(backbone, target, temperature, draws=8, steps=40):
     return model.eval()
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_under_sampling_the_simulator_expects_the_mtpc_decoders_steps(tiny_byte, temperature):
+def test_under_sampling_the_simulator_expects_the_mtpc_decoders_steps(tiny_byte, temperature=0.7):
     """Speculative sampling with a 3-byte MTPC chain (Algorithm 2 made exact: a full chain drops
     its bonus, a rejection keeps it and conditions the next window on it): on each of 60 decoded
     outputs, the simulator's expected steps given that output (acceptance min(p(y), q(y)) / p(y)

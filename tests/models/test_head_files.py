@@ -1,8 +1,10 @@
 """Head folders refuse what they cannot trust: weights with NaN or inf (at save and load, naming
 the tensor and the file), and a head config that names code to run (an MTPC cirkit head's
-`circuit: module:function`) unless trust_remote_code; files are replaced atomically."""
+`circuit: module:function`) unless trust_remote_code; files are replaced atomically; config
+fields' docstrings are read back for --help."""
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP
 from mtpkit.models.gated_lora import load_head as load_gated
 from mtpkit.models.gated_lora import save_head as save_gated
-from mtpkit.models.heads import replacing, write_atomic
+from mtpkit.models.heads import field_docs, replacing, write_atomic
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel
 from mtpkit.models.mtpc import load_head as load_mtpc
 from mtpkit.models.mtpc import save_head as save_mtpc
@@ -115,3 +117,39 @@ def test_replacing_leaves_the_old_file_on_error(tmp_path):
     assert path.read_text() == '{"step": 1}' and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
     write_atomic(path, b'{"step": 2}')
     assert path.read_text() == '{"step": 2}'
+
+
+@dataclasses.dataclass
+class _Base:
+    rate: float = 0.1
+    """How fast,
+    per step."""
+    name: str = "a"
+    """The name."""
+
+
+@dataclasses.dataclass
+class _Child(_Base):
+    name: str = "b"
+    """The child's name."""
+    plain: int = 0
+
+    @dataclasses.dataclass
+    class Inner:
+        depth: int = 1
+        """How deep."""
+
+
+def test_field_docs_read_each_attribute_docstring():
+    """Attribute docstrings (what --help prints for every config field), a subclass's own text winning,
+    for a nested class and one defined in a function too; read again from the parsed module."""
+    @dataclasses.dataclass
+    class Local:
+        size: int = 2
+        """How big."""
+
+    want = {"rate": "How fast, per step.", "name": "The child's name."}
+    assert field_docs(_Child) == want and field_docs(_Child) == want  # the second call from the cache
+    assert field_docs(_Base)["name"] == "The name."
+    assert field_docs(_Child.Inner) == {"depth": "How deep."}
+    assert field_docs(Local) == {"size": "How big."}

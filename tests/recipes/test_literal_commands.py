@@ -40,12 +40,23 @@ def test_torchrun_mtpc_btree_n16_as_written(data, tmp_path):
 
 
 def test_accelerate_launch_gated_lora_as_written(data, tmp_path):
+    """One process (accelerate's default here): the checkpoint's files, every step logged, and the
+    evaluation's simulated tau."""
     out = tmp_path / "gated_lora"
     run([str(BIN / "accelerate"), "launch", "train/gated_lora.py",
-         "--backbone", "tiny-llama-random", "--data", str(data), "--max-steps", "2", "--output-dir", str(out),
-         "--k", "2", "--rank", "4", "--max-length", "128", "--eval-every", "0"])
-    assert (out / "checkpoint-2" / "head" / "adapter_model.safetensors").is_file()
-    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["step"] == 2
+         "--backbone", "tiny-llama-random", "--data", str(data), "--max-steps", "4", "--output-dir", str(out),
+         "--k", "2", "--rank", "4", "--max-length", "128", "--log-every", "1", "--save-every", "4",
+         "--eval-every", "4", "--eval-prompts", "1", "--eval-max-new-tokens", "6"])
+    ckpt = out / "checkpoint-4"
+    for name in ("config.yaml", "trainer_state.json", "head/adapter_model.safetensors", "head/mtp_head.safetensors",
+                 "head/mtpkit_config.json"):
+        assert (ckpt / name).is_file(), name
+    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 4
+    assert (ckpt / "state").is_dir() and any((ckpt / "state").iterdir())
+    assert "k: 2" in (ckpt / "config.yaml").read_text()
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert any("sim_tau" in r and r["sim_tau"] >= 1.0 for r in rows)
 
 
 def parse(argv: list[str]):
