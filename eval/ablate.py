@@ -48,6 +48,7 @@ import copy
 import datetime
 import itertools
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -106,6 +107,11 @@ for name, argv in json.loads(sys.argv[1]).items():
         break
 print("\nRESOLVED " + json.dumps(out))
 """
+
+
+RESOLVED_ENV = "MTPKIT_ABLATE_RESOLVED"
+"""--detach hands its background process the variants' resolved configs in this variable
+({"argvs": ..., "configs": ...}), so the trainer's parser is not started a second time."""
 
 
 class AblateError(ValueError):
@@ -227,7 +233,12 @@ def train_argv(args, extras: list[str], name: str) -> list[str]:
 
 def resolve(argvs: dict[str, list[str]]) -> dict[str, dict]:
     """Each variant's resolved trainer config (train/gated_lora.py's parser, in one subprocess);
-    the first variant it refuses exits 2 with the trainer's line."""
+    the first variant it refuses exits 2 with the trainer's line. A --detach run's background
+    process takes the configs its foreground resolved for the same trainer command lines."""
+    handed = json.loads(os.environ.pop(RESOLVED_ENV, "") or "{}")
+    if handed.get("argvs") == argvs:
+        say("the variants' configs as resolved before detaching")
+        return handed["configs"]
     proc = subprocess.run([sys.executable, "-c", _RESOLVE, json.dumps(argvs)], capture_output=True, text=True)
     line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESOLVED ")), None)
     if proc.returncode != 0 or line is None:
@@ -586,13 +597,14 @@ def write_plot(table: list[dict], results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def detach(argv: list[str], out: Path) -> None:
+def detach(argv: list[str], out: Path, argvs: dict[str, list[str]], configs: dict[str, dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "ablate.log"
+    env = dict(os.environ, **{RESOLVED_ENV: json.dumps({"argvs": argvs, "configs": configs})})
     with open(log_path, "a") as log:
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *[a for a in argv if a != "--detach"]],
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
     say(f"running in the background: PID {proc.pid}, log {log_path} (stop it and its training run: "
         f"kill -- -{proc.pid})")
 
@@ -604,7 +616,7 @@ def main(argv=None) -> dict | None:
     argvs = {name: train_argv(args, extras, name) for name in args.names}
     configs = resolve(argvs)  # every variant's flags checked before anything trains
     if args.detach:
-        detach(argv, out)
+        detach(argv, out, argvs, configs)
         return None
     steps = configs[args.names[0]]["max_steps"]
     backbones = {c["backbone"] for c in configs.values()}

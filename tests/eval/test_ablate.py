@@ -106,6 +106,7 @@ def test_ablation_trains_benches_and_reruns_nothing(recipe, data, tmp_path, monk
     log = out / "ablate.log"
     text = log.read_text()
     assert "[ablate] wrote" in text, text[-2000:]
+    assert "configs as resolved before detaching" in text  # the trainer's parser ran in the foreground only
     for name in VARIANTS:
         assert f"{name}: skipped" in text
         assert (out / name / "train.log").stat().st_mtime_ns == logs[name]
