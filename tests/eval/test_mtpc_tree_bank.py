@@ -173,13 +173,14 @@ def fitted_to_samples(backbone, target, temperature, draws=8, steps=40):
     return model.eval()
 
 
-def test_under_sampling_the_simulator_expects_the_mtpc_decoders_steps(tiny_byte, temperature=0.7):
+def test_under_sampling_the_simulator_expects_the_mtpc_decoders_steps(tiny_byte):
     """Speculative sampling with a 3-byte MTPC chain (Algorithm 2 made exact: a full chain drops
     its bonus, a rejection keeps it and conditions the next window on it): on each of 60 decoded
     outputs, the simulator's expected steps given that output (acceptance min(p(y), q(y)) / p(y)
     per byte, 64 replicas) match the decoder's steps: their summed difference is within 4 of its
     own standard errors. Planted, a window offset after a kept bonus (accept[j][L] for
     accept[j][m + L]) fails it (z = 7.4), and so does accepting with q(y) instead (|z| = 6.1)."""
+    temperature = 0.7  # T != 1 (T = 1 takes the same path without the scaling)
     backbone, _ = tiny_byte
     target = Target(backbone)
     model = fitted_to_samples(backbone, target, temperature)
