@@ -14,6 +14,7 @@ import pytest
 import torch.distributed.run as torchrun_module
 
 from mtpkit.train import torchrun_args
+from tests.recipes.test_gated_lora_recipe import assert_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -47,13 +48,7 @@ def test_accelerate_launch_gated_lora_as_written(data, tmp_path):
          "--backbone", "tiny-llama-random", "--data", str(data), "--max-steps", "4", "--output-dir", str(out),
          "--k", "2", "--rank", "4", "--max-length", "128", "--log-every", "1", "--save-every", "4",
          "--eval-every", "4", "--eval-prompts", "1", "--eval-max-new-tokens", "6"])
-    ckpt = out / "checkpoint-4"
-    for name in ("config.yaml", "trainer_state.json", "head/adapter_model.safetensors", "head/mtp_head.safetensors",
-                 "head/mtpkit_config.json"):
-        assert (ckpt / name).is_file(), name
-    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 4
-    assert (ckpt / "state").is_dir() and any((ckpt / "state").iterdir())
-    assert "k: 2" in (ckpt / "config.yaml").read_text()
+    assert_checkpoint(out, 4)
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
     assert any("sim_tau" in r and r["sim_tau"] >= 1.0 for r in rows)
