@@ -41,7 +41,7 @@ from mtpkit.data.chat import DataError, builtin_prompts_path, generation_prompt_
 from mtpkit.models.generate import generate
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, BackboneError, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)
-from mtpkit.models.heads import write_atomic
+from mtpkit.models.heads import run_script, write_atomic
 
 POLL_S = 0.25
 """how often rank 0 looks for the other ranks' `.done` files"""
@@ -356,4 +356,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

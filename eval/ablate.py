@@ -63,7 +63,7 @@ from mtpkit.data.chat import IGNORE, DataError, load_examples, tokenize_chat
 from mtpkit.eval.report import MARK, fmt, match_cell, ratio_cell, timing_warnings
 from mtpkit.models.backbone import DTYPE_CHOICES, DEVICE_CHOICES, load_backbone
 from mtpkit.models.gated_lora import load_head
-from mtpkit.models.heads import write_atomic
+from mtpkit.models.heads import run_script, write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = ROOT / "train" / "gated_lora.py"
@@ -676,4 +676,4 @@ def main(argv=None) -> dict | None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -66,7 +66,7 @@ from mtpkit.eval.report import dtype_table, summarise, write_markdown, write_plo
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)
 from mtpkit.models.drafter import StockAR
-from mtpkit.models.heads import field_docs, write_atomic
+from mtpkit.models.heads import field_docs, run_script, write_atomic
 from mtpkit.models.kernel_plan import pack_targets
 from mtpkit.models.packed_linear import LINEARS, packable
 from mtpkit.models.registry import METHODS
@@ -410,4 +410,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

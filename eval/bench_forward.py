@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 
 from mtpkit.models.backbone import DEFAULT_BACKBONE, DEVICE_CHOICES, load_backbone, resolve_device
-from mtpkit.models.heads import write_atomic
+from mtpkit.models.heads import run_script, write_atomic
 from mtpkit.models.kernel_plan import CACHE_LEN, gated_rows, plan_table, tune
 from mtpkit.models.packed_linear import cpu_paths, pack_linears
 
@@ -177,4 +177,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

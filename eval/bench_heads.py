@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from mtpkit.models.heads import write_atomic
+from mtpkit.models.heads import run_script, write_atomic
 from mtpkit.models.mtpc.circuit_cirkit import CirkitCircuit
 from mtpkit.models.mtpc.circuits import ARCHS, CircuitParams, log_prob, num_inner, prefix_log_probs, sample
 
@@ -103,4 +103,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -36,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 from mtpkit.eval.report import markdown_table, timing_warnings
+from mtpkit.models.heads import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path("docs") / "results"
@@ -174,4 +175,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main, exit_status=True)

@@ -116,7 +116,7 @@ from mtpkit.eval.verify import attention_inputs
 from mtpkit.models.backbone import DEFAULT_BACKBONE, add_device_args, eos_token_ids, load_backbone
 from mtpkit.models.drafter import Drafter
 from mtpkit.models.gated_lora.head import load_head
-from mtpkit.models.heads import write_atomic
+from mtpkit.models.heads import run_script, write_atomic
 from mtpkit.models.kernel_plan import pack_targets
 from mtpkit.models.packed_linear import LINEARS
 from mtpkit.models.trees import BLOCKS, Schedule, Topology, compile_topology
@@ -1345,4 +1345,4 @@ def plot(report: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -1,7 +1,8 @@
 """What every method's head folder shares: the `mtpkit_config.json` that names its method and
 base model, the check that its weights are finite, the atomic file writes (also used by the
 trainers for their checkpoints and metrics), and the `Method` entry each method registers (see
-`mtpkit.models.registry`)."""
+`mtpkit.models.registry`); also `field_docs` (the trainers' `--help` texts) and `run_script` (how
+every command-line script that imports torch ends)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import ast
 import contextlib
 import dataclasses
 import functools
+import gc
 import inspect
 import json
 import os
+import sys
 import textwrap
 from pathlib import Path
 from typing import Callable, Iterator
@@ -21,6 +24,20 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 HEAD_CONFIG = "mtpkit_config.json"
+
+
+def run_script(main: Callable[[], object], *, exit_status: bool = False) -> None:
+    """Runs a command-line script's `main()`, then freezes the objects the garbage collector tracks
+    (`gc.freeze`), so the interpreter's exit skips its cyclic collections over the ~0.4M objects
+    that importing torch, transformers and DeepSpeed created: on a 2-core CPU a process that
+    loaded a model exits in 0.25 s instead of 1.6 s, and every worker of a launcher pays that.
+    atexit handlers still run and objects outside reference cycles are still freed; only
+    finalizers of objects in cycles are skipped at exit, which CPython does not promise to run
+    anyway. With `exit_status`, main's return value is the process's exit status."""
+    result = main()
+    gc.freeze()
+    if exit_status:
+        sys.exit(result)
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -42,7 +42,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mtpkit.data.bytes import build_corpus
 from mtpkit.data.chat import DataError
 from mtpkit.models.backbone import BYTE_LM, byte_tokenizer, cache_dir
-from mtpkit.models.heads import write_atomic
+from mtpkit.models.heads import run_script, write_atomic
 from mtpkit.train import engine
 from mtpkit.train.checkpoints import save_checkpoint
 from mtpkit.train.config import NOT_EMPTY, Rule, at_least, one_of
@@ -283,4 +283,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

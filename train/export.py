@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from mtpkit.models.heads import (HEAD_CONFIG, head_folder, read_head_config, read_weights, replacing,
-                                 write_atomic)
+                                 run_script, write_atomic)
 from mtpkit.models.registry import METHODS, trained_method
 from mtpkit.train.checkpoints import latest_checkpoint
 
@@ -175,4 +175,4 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

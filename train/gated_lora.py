@@ -42,6 +42,7 @@ from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbon
 from mtpkit.models.gated_lora.drafter import DECODINGS, GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP
 from mtpkit.models.gated_lora.model import LCM_DISTANCES
+from mtpkit.models.heads import run_script
 from mtpkit.models.registry import METHODS
 from mtpkit.train import engine
 from mtpkit.train.checkpoints import save_checkpoint
@@ -236,4 +237,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -50,7 +50,7 @@ from mtpkit.data.chat import IGNORE, DataError, load_examples, tokenize_chat
 from mtpkit.models.backbone import load_backbone
 from mtpkit.models.mtpc.circuits import ARCHS, mode, next_log_probs
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel, window_loss, window_targets
-from mtpkit.models.heads import head_folder, read_weights
+from mtpkit.models.heads import head_folder, read_weights, run_script
 from mtpkit.models.registry import METHODS
 from mtpkit.train import engine
 from mtpkit.train.checkpoints import save_checkpoint
@@ -320,4 +320,4 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck run: `kill -USR1 PID` prints its stacks
-    main()
+    run_script(main)
