@@ -29,8 +29,8 @@ HEAD_CONFIG = "mtpkit_config.json"
 def run_script(main: Callable[[], object], *, exit_status: bool = False) -> None:
     """Runs a command-line script's `main()`, then freezes the objects the garbage collector tracks
     (`gc.freeze`), so the interpreter's exit skips its cyclic collections over the ~0.4M objects
-    that importing torch, transformers and DeepSpeed created: on a 2-core CPU a process that
-    loaded a model exits in 0.25 s instead of 1.6 s, and every worker of a launcher pays that.
+    that importing torch, transformers and DeepSpeed created: over a second per process on a
+    2-core CPU, paid by every worker of a launcher.
     atexit handlers still run and objects outside reference cycles are still freed; only
     finalizers of objects in cycles are skipped at exit, which CPython does not promise to run
     anyway. With `exit_status`, main's return value is the process's exit status."""
