@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -62,7 +63,8 @@ from tqdm import tqdm
 
 from mtpkit.data.chat import DataError, load_examples, prompt_ids
 from mtpkit.eval.decoder import PREFETCH_ROWS, Target, decode
-from mtpkit.eval.report import dtype_table, summarise, write_markdown, write_plot, write_tradeoff_plot
+from mtpkit.eval.report import (dtype_table, summarise, timing_warnings, write_markdown, write_plot,
+                               write_tradeoff_plot)
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)
 from mtpkit.models.drafter import StockAR
@@ -90,12 +92,36 @@ def parse_method(spec: str):
         if not eq or key not in fields:
             valid = ", ".join(fields) or "none"
             raise MethodError(f"--methods {spec!r}: bad option {item!r}; options of {name}: {valid}")
+        if key in values:
+            raise MethodError(f"--methods {spec!r}: option {key} given twice")
         kind = typing.get_type_hints(cls)[key]
+        need = "0 or 1" if kind is bool else f"a {kind.__name__}"
+        if kind is bool and raw not in ("0", "1"):
+            raise MethodError(f"--methods {spec!r}: option {key} needs {need}, got {raw!r}")
         try:
-            values[key] = bool(int(raw)) if kind is bool else kind(raw)
+            values[key] = raw == "1" if kind is bool else kind(raw)
         except ValueError:
-            raise MethodError(f"--methods {spec!r}: option {key} needs a {kind.__name__}, got {raw!r}") from None
-    return name, cls(**values)
+            raise MethodError(f"--methods {spec!r}: option {key} needs {need}, got {raw!r}") from None
+        if kind is float and not math.isfinite(values[key]):
+            raise MethodError(f"--methods {spec!r}: option {key} needs a finite number, got {raw!r}")
+    try:
+        return name, cls(**values)
+    except (TypeError, ValueError) as e:
+        raise MethodError(f"--methods {spec!r}: {e}") from None
+
+
+def check_methods(args) -> None:
+    """Every --methods drafter built once from its options, before any model loads: its options
+    checked for range, against its head's files (its k, sampler, window, backbone's vocabulary)
+    and its tree files. Exits with one line naming the method on the first that fails."""
+    for spec, (name, cfg) in zip(args.methods, args.parsed):
+        if METHODS[name].drafter is not None:
+            try:
+                drafter = METHODS[name].drafter(cfg)
+            except (ValueError, FileNotFoundError) as e:
+                sys.exit(f"bench: --methods {spec}: {e}")
+            if getattr(drafter, "tree_log", None) is not None:
+                drafter.tree_log.close()
 
 
 def option_fields(cls) -> list[dataclasses.Field]:
@@ -361,6 +387,7 @@ def main(argv=None) -> dict:
     if args.compare_dtypes and len(dtypes) < 2:
         sys.exit(f"bench: --compare-dtypes {' '.join(args.compare_dtypes)} names fewer than two dtypes")
     names = list(dtypes)
+    check_methods(args)
     first = build(args, device, dtypes[names[0]])
     # the prompts and the context check need only the first target's tokenizer and config
     context = getattr(first.model.config, "max_position_embeddings", None)
@@ -379,6 +406,10 @@ def main(argv=None) -> dict:
     by_dtype = {}
     for name, setup in setups.items():
         results = summarise(rounds[name], prompts, setup.model, greedy=args.temperature <= 0, machine=machine)
+        for spec, drafter in setup.drafters.items():  # a head let onto another backbone: marked, warned
+            if getattr(getattr(drafter, "model", None), "other_backbone", False):
+                results["methods"][spec]["other_backbone"] = True
+        results["warnings"] = timing_warnings(results)[0]
         results["config"] = {k: v for k, v in vars(args).items() if k != "parsed"}
         results["config"].update(device=str(device), dtype=name)  # what auto resolved to
         if setup.kernels is not None:

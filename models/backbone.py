@@ -341,6 +341,7 @@ def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: str | torch.dtype
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
+    model.mtpkit_backbone = name_or_path  # the name a head records, and is checked against (models/heads.py)
     if device.type != "cpu":
         model.to(device)
     model.eval()

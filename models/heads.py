@@ -11,8 +11,11 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import hashlib
 import inspect
 import json
+import types
+import typing
 import os
 import sys
 import textwrap
@@ -130,10 +133,104 @@ def check_finite(tensors: dict, source) -> None:
             raise ValueError(f"{source}: tensor {name!r} has {bad} non-finite value(s) (NaN or inf)")
 
 
-def write_head_config(folder, method: str, base_model: str, settings: dict) -> None:
-    """`folder/mtpkit_config.json`: {"method", "base_model", **settings}."""
+def write_head_config(folder, method: str, base_model: str, settings: dict, backbone=None) -> None:
+    """`folder/mtpkit_config.json`: {"method", "base_model", "backbone", **settings}; `backbone`,
+    the model the head was trained on, is recorded as its `backbone_identity` (checked by
+    `check_backbone` when the head loads)."""
     config = {"method": method, "base_model": base_model, **settings}
+    if backbone is not None:
+        config["backbone"] = backbone_identity(backbone, base_model)
     write_atomic(Path(folder) / HEAD_CONFIG, json.dumps(config, indent=1))
+
+
+# the architecture a head's weights and draft ranks depend on; dtype and paths are left out
+BACKBONE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def backbone_identity(model, name: str | None = None) -> dict:
+    """What a head records of its backbone: its name (the `--backbone` it was loaded by: a known
+    name, folder or Hub id), vocabulary, width and layers, and a hash of its architecture
+    (`BACKBONE_KEYS` of its config)."""
+    config = model.config
+    arch = {k: getattr(config, k, None) for k in BACKBONE_KEYS}
+    arch = {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v) for k, v in arch.items()}
+    return {"name": name if name is not None else getattr(model, "mtpkit_backbone", ""),
+            "vocab_size": arch["vocab_size"], "hidden_size": arch["hidden_size"],
+            "num_layers": arch["num_hidden_layers"],
+            "config_hash": hashlib.sha256(json.dumps(arch, sort_keys=True).encode()).hexdigest()[:16]}
+
+
+def check_backbone(config: dict, model, source, allow_other: bool = False) -> bool:
+    """Refuse (ValueError, one line naming both) to load a head whose recorded backbone is not
+    `model`: another architecture (config hash), or another name where both are known (the same
+    architecture with other weights, e.g. a base and an instruct model). With `allow_other`, say so
+    and go on. Returns True when the head sits on another backbone (a result to mark); a head
+    written before heads recorded their backbone (no "backbone" key) is not checked."""
+    recorded = config.get("backbone")
+    if not isinstance(recorded, dict):
+        return False
+    here = backbone_identity(model)
+    other_arch = recorded.get("config_hash") != here["config_hash"]
+    other_name = bool(recorded.get("name")) and bool(here["name"]) and recorded.get("name") != here["name"]
+    if not (other_arch or other_name):
+        return False
+
+    def describe(b):
+        return (f"{b.get('name') or '(unnamed)'} (vocab {b.get('vocab_size')}, width {b.get('hidden_size')}, "
+                f"{b.get('num_layers')} layers, config {b.get('config_hash')})")
+    what = f"{source}: the head was trained on {describe(recorded)}, not on {describe(here)}"
+    if not allow_other:
+        raise ValueError(f"{what}; load it on its own backbone, or pass allow_other_backbone=1 "
+                         "(eval/bench.py: METHOD:head=DIR,allow_other_backbone=1) to run it anyway")
+    print(f"[warning] {what}: loaded anyway (allow_other_backbone=1)", file=sys.stderr)
+    return True
+
+
+def typed_settings(cls, values, source):
+    """`cls(**values)` for a settings dataclass read from a file, every value checked against its
+    field's type first (int, float, bool, str, list[str]; a JSON int is a float too, a bool is no
+    number). Refuses (ValueError, one line naming `source` and the key) a value of another type, a
+    key `cls` does not have, or a value its own checks reject."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{source}: settings must be a JSON object, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"{source}: unknown setting(s) {unknown[:3]}; known: {', '.join(sorted(names))}")
+    for key, value in values.items():
+        if not _is_a(value, hints[key]):
+            raise ValueError(f"{source}: {key!r} must be {_type_name(hints[key])}, got {value!r:.40}")
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def _is_a(value, kind) -> bool:
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, k) for k in typing.get_args(kind))
+    if origin in (list, tuple):
+        args = typing.get_args(kind)
+        return isinstance(value, (list, tuple)) and (not args or all(_is_a(v, args[0]) for v in value))
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is type(None):
+        return value is None
+    return isinstance(value, kind) if isinstance(kind, type) else True
+
+
+def _type_name(kind) -> str:
+    if typing.get_origin(kind) in (list, tuple):
+        return f"a list of {_type_name(typing.get_args(kind)[0])}" if typing.get_args(kind) else "a list"
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(k) for k in typing.get_args(kind))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            type(None): "null"}.get(kind, getattr(kind, "__name__", str(kind)))
 
 
 def read_head_config(folder, method: str | None = None) -> dict:

@@ -33,7 +33,7 @@ import torch
 
 from mtpkit.models.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.heads import Method
-from mtpkit.models.trees import MaskTreeDrafting, MaskTreeOptions
+from mtpkit.models.trees import MaskTreeDrafting, MaskTreeOptions, check_ranks
 
 INITS = ("mean", "hard", "sample")
 
@@ -129,6 +129,11 @@ class ProbeDrafter(MaskTreeDrafting, Drafter):
             self.num_nodes = sum(self.branches)
         if self.num_nodes < 1:
             raise ValueError(f"probe bc={c.bc} leaves no draft node with {self.k} masks (need bc >= {2 * (self.k + 1)})")
+
+    def adapt(self, model, shared: dict):
+        if self.trees is not None:  # rank r is the (r+1)-th token: checked before any decode
+            check_ranks(self.trees, model.get_output_embeddings().weight.shape[0], f"probe tree={self.config.tree!r}")
+        return super().adapt(model, shared)
 
     def begin(self, target, prompt_ids: list[int]) -> None:
         table = target.embed.weight.detach()  # [V, d]

@@ -86,28 +86,39 @@ SIGNALS = ("path", "ema")
 
 
 def parse_paths(spec) -> list[tuple[int, ...]]:
-    """Rank paths from a list of lists, a JSON string of one, or `chainN` (N top-1 tokens).
-    Missing prefixes are added; the result is sorted by depth, then by ranks (parents first)."""
+    """Rank paths from a list of lists of ints, a JSON string of one, or `chainN` (N >= 1 top-1
+    tokens). Missing prefixes are added; the result is sorted by depth, then by ranks (parents
+    first). Anything else is a ValueError (one line)."""
     if isinstance(spec, str):
         text = spec.strip()
         if text.startswith("chain"):
-            try:
-                n = int(text[5:])
-            except ValueError:
-                raise ValueError(f"tree {spec!r}: `chainN` needs a number, e.g. chain3") from None
-            return [(0,) * d for d in range(1, n + 1)]
+            if not text[5:].isdigit() or int(text[5:]) < 1:
+                raise ValueError(f"tree {spec!r}: `chainN` needs a whole number N >= 1, e.g. chain3")
+            return [(0,) * d for d in range(1, int(text[5:]) + 1)]
         try:
             spec = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"tree {spec!r}: not a JSON list of rank paths like [[0],[1],[0,0]] ({e})") from None
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"tree {spec!r:.60}: not a JSON list of rank paths like [[0],[1],[0,0]] ({e})") from None
+    if not isinstance(spec, (list, tuple)):
+        raise ValueError(f"tree {spec!r:.60}: not a list of rank paths like [[0],[1],[0,0]]")
     paths = set()
     for path in spec:
-        path = tuple(int(r) for r in path)
-        if not path or min(path) < 0:
-            raise ValueError(f"tree path {list(path)}: ranks must be non-negative and the path non-empty")
+        if (not isinstance(path, (list, tuple)) or not path
+                or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path)):
+            raise ValueError(f"tree path {path!r:.60}: a path is a non-empty list of non-negative whole ranks")
+        path = tuple(path)
         for d in range(1, len(path) + 1):
             paths.add(path[:d])
     return sorted(paths, key=lambda p: (len(p), p))
+
+
+def check_ranks(trees: list[Topology], vocab_size: int, what: str) -> None:
+    """Refuse (ValueError, one line) a tree whose ranks need more candidates than the vocabulary
+    has (rank r is the (r+1)-th most likely token)."""
+    width = max((t.max_rank for t in trees), default=1)
+    if width > vocab_size:
+        raise ValueError(f"{what}: a rank of {width - 1} needs {width} candidate tokens, the vocabulary has "
+                         f"{vocab_size} (ranks are 0 .. {vocab_size - 1})")
 
 
 @dataclass
@@ -334,7 +345,7 @@ def load_bank(spec: str, task: str | None = None, blocks: str = "") -> tuple[lis
             if blocks:
                 raise ValueError(f"blocks={blocks} is for a single tree; the bank's trees carry their own blocks")
             trees = [Topology(t["paths"], t.get("blocks", "chain"), t.get("name", "")) for t in data["trees"]]
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, OSError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"tree bank {spec}: not a bank written by eval/tree_frontier.py ({e})") from None
         schedules = data.get("schedules", {})
         if task is not None and task not in schedules:

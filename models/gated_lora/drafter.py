@@ -37,11 +37,11 @@ from dataclasses import dataclass
 import torch
 
 from mtpkit.models.drafter import Draft, Drafter, StepOutput
-from mtpkit.models.gated_lora.head import load_head
+from mtpkit.models.gated_lora.head import load_head, read_settings
 from mtpkit.models.gated_lora.inference import to_inference
 from mtpkit.models.gated_lora.model import GatedMTP
 from mtpkit.models.generate import target_probs
-from mtpkit.models.trees import MaskTreeDrafting, MaskTreeOptions, mask_blocks
+from mtpkit.models.trees import MaskTreeDrafting, MaskTreeOptions, check_ranks, mask_blocks
 
 DECODINGS = ("linear", "quadratic")
 DRAFTS = ("sample", "argmax")
@@ -66,6 +66,9 @@ class GatedLoRADraftConfig(MaskTreeOptions):
     the argmax, verified as a one-hot proposal (argmax). Greedy decoding always takes the argmax"""
     seed: int = 0
     """seed of the drafter's own generator (drafts=sample under speculative sampling only)"""
+    allow_other_backbone: bool = False
+    """run the head on a backbone other than the one it was trained on (refused otherwise; the
+    bench marks the row)"""
     # tree, schedule, task, index, log, blocks: `MaskTreeOptions` (draft trees, mtpkit.models.trees)
 
 
@@ -81,11 +84,16 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
             raise ValueError("gated_lora needs head=DIR (a folder written by train/export.py)")
         if config.sampler not in (-1, 0, 1):
             raise ValueError(f"gated_lora sampler must be -1 (auto), 0 or 1, got {config.sampler!r}")
+        if config.k < 0:
+            raise ValueError(f"gated_lora k={config.k}: masks per block, k >= 0 (0 = the head's k)")
         self.config = config
         self.model = model
+        self.setup_trees(config, "gated_lora")
         if model is not None:
             self._check_sampler()
-        self.setup_trees(config, "gated_lora")
+        else:  # the head's settings checked now, before any model loads
+            head_config, lora = read_settings(config.head)
+            self._check_head(lora.k, lora.sampler, head_config.get("backbone", {}).get("vocab_size"))
         # seeded once, not per prompt: every decode must draw fresh speculations (drafts repeated
         # across runs are not samples from q, and the acceptance rule would be biased)
         self.gen = torch.Generator().manual_seed(config.seed)
@@ -97,16 +105,28 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
             if key not in shared:  # decoding only: the lean gated linears (`to_inference`), on the
                 # target's device (the head's own weights, mask embeddings and sampler, load on the CPU)
                 device = model.get_input_embeddings().weight.device
-                shared[key] = to_inference(load_head(self.config.head, copy.deepcopy(model))).to(device)
+                head = load_head(self.config.head, copy.deepcopy(model),
+                                 allow_other_backbone=self.config.allow_other_backbone)
+                shared[key] = to_inference(head).to(device)
             self.model = shared[key]
         self._check_sampler()
         self.model.eval()
         return self.model.peft.get_base_model(), self.model.gate
 
     def _check_sampler(self) -> None:
-        if self.config.sampler == 1 and self.model.sampler is None:
+        self._check_head(self.model.config.k, self.model.sampler is not None,
+                         self.model.peft.get_base_model().get_output_embeddings().weight.shape[0])
+
+    def _check_head(self, trained_k: int, has_sampler: bool, vocab_size: int | None) -> None:
+        """The options against a head trained with `trained_k` masks, with or without a sampler, on
+        a vocabulary of `vocab_size` (None: unknown)."""
+        if self.config.k > trained_k:
+            raise ValueError(f"gated_lora k={self.config.k}: the head was trained with k={trained_k} (k <= {trained_k})")
+        if self.config.sampler == 1 and not has_sampler:
             raise ValueError(f"gated_lora: sampler=1 but {self.config.head or 'the head'} has no sampler head "
                              "(trained with --sampler 0): use sampler=0 or leave sampler unset")
+        if self.trees is not None and isinstance(vocab_size, int):
+            check_ranks(self.trees, vocab_size, f"gated_lora tree={self.config.tree!r}")
 
     @property
     def use_sampler(self) -> bool:

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from mtpkit.models.gated_lora.model import GatedLoRAConfig, GatedMTP
-from mtpkit.models.heads import (HEAD_CONFIG, ModelCard, check_finite, head_folder, read_head_config, read_json,
-                                 read_weights, replacing, write_head_config)
+from mtpkit.models.heads import (HEAD_CONFIG, ModelCard, check_backbone, check_finite, head_folder, read_head_config,
+                                 read_json, read_weights, replacing, typed_settings, write_head_config)
 
 METHOD = "gated_lora"
 HEAD_WEIGHTS = "mtp_head.safetensors"
@@ -34,28 +34,63 @@ def save_head(model: GatedMTP, out_dir, base_model: str, extra: dict | None = No
     with replacing(out / HEAD_WEIGHTS) as tmp:
         save_file(head, str(tmp))
     write_head_config(out, METHOD, base_model, {"k": model.config.k, "gated_lora": dataclasses.asdict(model.config),
-                                                **(extra or {})})
+                                                **(extra or {})}, backbone=model.peft.get_base_model())
 
 
-def load_head(head_dir, base_model, trust_remote_code: bool = False) -> GatedMTP:
-    """The GatedMTP of a head folder on `base_model` (modified in place: peft injects its layers).
-    Refuses (ValueError naming the tensor and file) non-finite weights. A gated-LoRA head names
-    no code, so `trust_remote_code` changes nothing (the argument every method's load_head takes)."""
+def read_settings(head_dir) -> tuple[dict, GatedLoRAConfig]:
+    """(mtpkit_config.json, its typed LoRA settings) of a gated-LoRA head folder, checked without
+    loading a model: every setting's type and range, and the LoRA rank, alpha and target modules
+    against the peft adapter's own adapter_config.json (which is what peft loads). Refuses
+    (ValueError, one line naming the file and key) anything else."""
     head_dir = Path(head_folder(head_dir))
     config = read_head_config(head_dir, METHOD)
-    try:
-        lora = GatedLoRAConfig(**config["gated_lora"])
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"{head_dir / HEAD_CONFIG}: no valid \"gated_lora\" settings "
-                         f"({type(e).__name__}: {e})") from None
-    read_json(head_dir / "adapter_config.json")  # peft's own error would not name the file
+    source = head_dir / HEAD_CONFIG
+    if not isinstance(config.get("gated_lora"), dict):
+        raise ValueError(f"{source}: no valid \"gated_lora\" settings (an object of the LoRA settings)")
+    lora = typed_settings(GatedLoRAConfig, config["gated_lora"], f"{source} gated_lora")
+    if lora.k < 1 or lora.rank < 1:
+        raise ValueError(f"{source}: gated_lora needs k >= 1 and rank >= 1, got k={lora.k}, rank={lora.rank}")
+    if config.get("k", lora.k) != lora.k:
+        raise ValueError(f"{source}: \"k\": {config.get('k')!r} differs from gated_lora's k {lora.k}")
+    adapter = read_json(head_dir / "adapter_config.json")  # peft's own error would not name the file
+    if not isinstance(adapter, dict):
+        raise ValueError(f"{head_dir / 'adapter_config.json'}: not a JSON object")
+    for ours, theirs in (("rank", "r"), ("alpha", "lora_alpha"), ("target_modules", "target_modules")):
+        mine, peft = getattr(lora, ours), adapter.get(theirs)
+        if isinstance(peft, (list, set, tuple)) and isinstance(mine, (list, tuple)):
+            mine, peft = sorted(mine), sorted(peft)
+        if peft != mine:
+            raise ValueError(f"{source}: gated_lora {ours} {mine!r} differs from the adapter's {theirs} {peft!r} "
+                             f"({head_dir / 'adapter_config.json'}); the two files come from different heads")
+    return config, lora
+
+
+def load_head(head_dir, base_model, trust_remote_code: bool = False, allow_other_backbone: bool = False) -> GatedMTP:
+    """The GatedMTP of a head folder on `base_model` (modified in place: peft injects its layers).
+    Refuses (ValueError naming the file) settings `read_settings` rejects, non-finite weights, and
+    a head trained on another backbone unless `allow_other_backbone` (models/heads.check_backbone).
+    A gated-LoRA head names no code, so `trust_remote_code` changes nothing (the argument every
+    method's load_head takes)."""
+    head_dir = Path(head_folder(head_dir))
+    config, lora = read_settings(head_dir)
+    other = check_backbone(config, base_model, head_dir, allow_other_backbone)
     read_weights(head_dir / "adapter_model.safetensors")  # checked here: peft reads it without a check
     head = read_weights(head_dir / HEAD_WEIGHTS)
+    d = base_model.get_input_embeddings().weight.shape[1]
+    if "mask_embeds" not in head or tuple(head["mask_embeds"].shape) != (lora.k, d):
+        shape = tuple(head["mask_embeds"].shape) if "mask_embeds" in head else None
+        raise ValueError(f"{head_dir / HEAD_WEIGHTS}: mask_embeds has shape {shape}, the config's k = {lora.k} "
+                         f"and the backbone's width {d} need {(lora.k, d)}")
     model = GatedMTP(base_model, lora, adapter=str(head_dir))
     with torch.no_grad():
         model.mask_embeds.copy_(head.pop("mask_embeds"))
         if model.sampler is not None:
-            model.sampler.load_state_dict({n.removeprefix("sampler."): t for n, t in head.items()})
+            try:
+                model.sampler.load_state_dict({n.removeprefix("sampler."): t for n, t in head.items()})
+            except RuntimeError as e:
+                raise ValueError(f"{head_dir / HEAD_WEIGHTS}: the sampler's weights do not fit "
+                                 f"({str(e).strip().splitlines()[0]})") from None
+    model.other_backbone = other  # the bench marks a result of a head on another backbone
     return model
 
 

@@ -80,9 +80,9 @@ from mtpkit.models.mtpc.circuits import (CircuitParams, greedy_chain, mode, next
                                     sample_states, sample_tokens)
 from mtpkit.models.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.mtpc.decode import LazyBTree, decode_window
-from mtpkit.models.mtpc.head import load_head
+from mtpkit.models.mtpc.head import load_head, read_settings
 from mtpkit.models.mtpc.model import MTPCHead, MTPCModel
-from mtpkit.models.trees import Schedule, Topology, TreeOptions, load_bank, tree_schedule
+from mtpkit.models.trees import Schedule, Topology, TreeOptions, check_ranks, load_bank, tree_schedule
 
 CYCLES = ("alg2", "bonus")
 VERIFY = ("marginal", "path")
@@ -123,6 +123,9 @@ class MTPCDraftConfig(TreeOptions):
     trust_remote_code: bool = False
     """let a cirkit head's config name a `module:function` that loading imports and runs as its
     circuit builder (only for heads whose code you trust)"""
+    allow_other_backbone: bool = False
+    """run a head on a backbone other than the one it was trained on (refused otherwise; the bench
+    marks the row)"""
 
 
 class LazyConditionals:
@@ -265,16 +268,21 @@ class MTPCDrafter(Drafter):
         if self.tree is not None and config.verify == "path":
             raise ValueError(f"mtpc tree={config.tree!r}: verify=path applies to chain drafts only (a tree's "
                              "bytes are drawn from the prefix conditionals and verified with them)")
+        if config.n < 0:
+            raise ValueError(f"mtpc n={config.n}: a window of n >= 0 bytes (0 = the head's n)")
         self.levels_device = None  # the device `levels` (`tree_levels`) were built on
         self.config, self.model = config, model
+        if model is None:  # the head's settings checked now, before any model loads
+            head_config, settings = read_settings(config.head)
+            self._check_fits(settings.n, head_config.get("backbone", {}).get("vocab_size"))
         # seeded once, not per prompt: every decode must draw fresh windows (a window repeated
         # across runs is not a sample from q, and the acceptance rule would be biased)
         self.gen = torch.Generator().manual_seed(config.seed)
         if model is not None:
             self._bind()
 
-    def _bind(self) -> None:
-        n = self.model.cfg.n
+    def _check_fits(self, n: int, vocab_size: int | None) -> None:
+        """The options against a head of window `n` over `vocab_size` bytes (None: unknown)."""
         if not 0 <= self.config.n <= n:
             raise ValueError(f"mtpc n={self.config.n}: the head's window is {n}")
         if self.tree is not None:  # the kept bonus (cycle=bonus: always one) takes a window position
@@ -282,6 +290,11 @@ class MTPCDrafter(Drafter):
             if self.deepest > window:
                 raise ValueError(f"mtpc tree={self.config.tree!r}: depth {self.deepest} does not fit the window "
                                  f"(n={self.config.n or n}, cycle={self.config.cycle}: at most {window} deep)")
+            if isinstance(vocab_size, int):
+                check_ranks(self.trees, vocab_size, f"mtpc tree={self.config.tree!r}")
+
+    def _bind(self) -> None:
+        self._check_fits(self.model.cfg.n, self.model.backbone.get_output_embeddings().weight.shape[0])
         self.shared_layer = None if self.model.draft is None else self.model.draft.start
         self.model.eval()
 
@@ -290,8 +303,8 @@ class MTPCDrafter(Drafter):
             key = ("mtpc", self.config.head)
             if key not in shared:  # the head (and its draft layers) load on the CPU: moved to the target's device
                 device = model.get_input_embeddings().weight.device
-                shared[key] = load_head(self.config.head, model,
-                                        trust_remote_code=self.config.trust_remote_code).to(device)
+                shared[key] = load_head(self.config.head, model, trust_remote_code=self.config.trust_remote_code,
+                                        allow_other_backbone=self.config.allow_other_backbone).to(device)
             self.model = shared[key]
         if self.model.backbone is not model:
             raise ValueError("mtpc: the head was loaded on another backbone object than the target")

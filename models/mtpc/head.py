@@ -7,8 +7,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from mtpkit.models.heads import (HEAD_CONFIG, ModelCard, check_finite, head_folder, read_head_config, read_weights,
-                                 replacing, write_head_config)
+from mtpkit.models.heads import (HEAD_CONFIG, ModelCard, check_backbone, check_finite, head_folder, read_head_config,
+                                 read_weights, replacing, typed_settings, write_head_config)
 from mtpkit.models.mtpc.model import MTPCConfig, MTPCModel
 
 METHOD = "mtpc"
@@ -30,33 +30,47 @@ def save_head(model: MTPCModel, folder, base_model: str, extra: dict | None = No
     folder.mkdir(parents=True, exist_ok=True)
     with replacing(folder / HEAD_WEIGHTS) as tmp:
         save_file(weights, str(tmp))
-    write_head_config(folder, METHOD, base_model, {**dataclasses.asdict(model.cfg), **(extra or {})})
+    write_head_config(folder, METHOD, base_model, {**dataclasses.asdict(model.cfg), **(extra or {})},
+                      backbone=model.backbone)
 
 
-def load_head(folder, backbone, trust_remote_code: bool = False) -> MTPCModel:
-    """An exported (or checkpointed) MTPC head on `backbone`, in eval mode. Refuses (ValueError)
-    non-finite weights, and a cirkit head whose config names a `module:function` to import and
-    run as its circuit builder unless `trust_remote_code` (as transformers' flag: only for heads
-    whose code you trust)."""
+def read_settings(folder) -> tuple[dict, MTPCConfig]:
+    """(mtpkit_config.json, its typed MTPCConfig) of an MTPC head folder, checked without loading a
+    model (every setting's type and range). Refuses (ValueError, one line naming the file) anything
+    else."""
     folder = head_folder(folder)
     config = read_head_config(folder, METHOD)
+    fields = {f.name for f in dataclasses.fields(MTPCConfig)}
+    settings = typed_settings(MTPCConfig, {k: v for k, v in config.items() if k in fields}, Path(folder) / HEAD_CONFIG)
+    return config, settings
+
+
+def load_head(folder, backbone, trust_remote_code: bool = False, allow_other_backbone: bool = False) -> MTPCModel:
+    """An exported (or checkpointed) MTPC head on `backbone`, in eval mode. Refuses (ValueError)
+    settings `read_settings` rejects, non-finite weights, a head trained on another backbone unless
+    `allow_other_backbone` (models/heads.check_backbone), and a cirkit head whose config names a
+    `module:function` to import and run as its circuit builder unless `trust_remote_code` (as
+    transformers' flag: only for heads whose code you trust)."""
+    folder = head_folder(folder)
+    config, settings = read_settings(folder)
     circuit = str(config.get("circuit", ""))
     if config.get("arch") == "cirkit" and ":" in circuit and not trust_remote_code:
         raise ValueError(f"{Path(folder) / HEAD_CONFIG}: \"circuit\": {circuit!r} names code that loading would "
                          "import and run; pass trust_remote_code=True (eval/bench.py: "
                          "mtpc:head=DIR,trust_remote_code=1) only if you trust this head")
+    other = check_backbone(config, backbone, folder, allow_other_backbone)
     state = read_weights(Path(folder) / HEAD_WEIGHTS)
-    fields = {f.name for f in dataclasses.fields(MTPCConfig)}
-    try:
-        settings = MTPCConfig(**{k: v for k, v in config.items() if k in fields})
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{Path(folder) / HEAD_CONFIG}: {e}") from None
     model = MTPCModel(backbone, settings)
-    result = model.load_state_dict(state, strict=False)
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shapes that do not fit (another backbone, an edited config)
+        raise ValueError(f"{Path(folder) / HEAD_WEIGHTS}: weights do not fit the config and backbone "
+                         f"({str(e).strip().splitlines()[-1].strip()})") from None
     expected = set(model.trainable_state_dict())
     if expected - set(state) or result.unexpected_keys:
         raise ValueError(f"{folder}: weights do not fit the config (missing {sorted(expected - set(state))[:3]}, "
                          f"unexpected {result.unexpected_keys[:3]})")
+    model.other_backbone = other  # the bench marks a result of a head on another backbone
     return model.eval()
 
 
