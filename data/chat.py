@@ -13,22 +13,19 @@ template's end-of-turn token (so the model learns to stop), never the role heade
 
 from __future__ import annotations
 
-import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from mtpkit.data.jsonl import DataError, parse_jsonl, read_bytes
+
 IGNORE = -100
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                 "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
                 "system": "system"}
 ANSWER_KEYS = ("answer", "response", "completion", "output", "canonical_solution")
-
-
-class DataError(ValueError):
-    """A data file that cannot be read at all (missing, unreadable, empty)."""
 
 
 @dataclass
@@ -110,33 +107,28 @@ def _record_id(record: dict, fallback: str) -> str:
     return fallback
 
 
-def _open_text(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
-
-
 def _read_local(path: Path, report: LoadReport) -> list[tuple[int, dict]]:
-    """[(line number, record)] from a .jsonl(.gz) or a .json list, counting malformed lines."""
+    """[(line number, record)] from a .jsonl(.gz) or a .json list, counting malformed lines
+    (invalid JSON or UTF-8: see mtpkit.data.jsonl) in `report`; blank lines are passed over."""
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     try:
-        with _open_text(path) as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError, EOFError) as e:
+        data = read_bytes(path)
+    except OSError as e:
         raise DataError(f"{path}: cannot read ({e})") from e
-    stripped = text.lstrip()
-    if path.name.endswith((".json", ".json.gz")) and stripped.startswith("["):
+    if path.name.endswith((".json", ".json.gz")) and data.lstrip().startswith(b"["):
         try:
-            return list(enumerate(json.loads(text), start=1))
+            return list(enumerate(json.loads(data.decode("utf-8")), start=1))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: cannot read ({e})") from e
         except json.JSONDecodeError as e:
             raise DataError(f"{path}: not valid JSON at line {e.lineno}: {e.msg}") from e
     rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append((number, json.loads(line)))
-        except json.JSONDecodeError as e:
-            report.bad_lines.setdefault(str(path), []).append((number, f"invalid JSON: {e.msg}"))
+    for line in parse_jsonl(data):
+        if line.error is None:
+            rows.append((line.number, line.value))
+        elif not line.blank:
+            report.bad_lines.setdefault(str(path), []).append((line.number, line.error))
     return rows
 
 

@@ -38,6 +38,7 @@ import torch
 from tqdm import tqdm
 
 from mtpkit.data.chat import DataError, builtin_prompts_path, generation_prompt_ids, load_examples
+from mtpkit.data.jsonl import check_output_file, read_jsonl
 from mtpkit.models.generate import generate
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, BackboneError, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)
@@ -102,8 +103,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(str(e))
     out = Path(args.out)
     data = builtin_prompts_path() if args.data.startswith("builtin") else Path(args.data).expanduser()
-    if out.is_dir():
-        p.error(f"--out {out} is a folder; give the .jsonl file to write")
     if out.exists() and data.exists() and os.path.samefile(out, data):
         p.error(f"--out {out} is the --data file; write the records to another file")
     return args
@@ -127,24 +126,19 @@ def read_done(out: Path) -> tuple[set[str], int]:
 def read_lines(path: Path, cut_partial: bool = False) -> list[tuple[str | None, bytes]]:
     """(id, line) for each complete line of `path`, id None where unreadable; a missing file is
     empty. A half-written last line is ignored, or with `cut_partial` cut off the file (only for
-    a file no other process may be writing). Lines end at b"\\n" only: a record's text may hold
-    other Unicode line breaks (json.dumps(ensure_ascii=False) leaves U+2028 as it is)."""
+    a file no other process may be writing). Lines are mtpkit.data.jsonl's: they end at b"\\n" only
+    (a record's text may hold U+2028, which json.dumps(ensure_ascii=False) leaves as it is)."""
     try:
-        raw = path.read_bytes()
+        lines = read_jsonl(path)
     except FileNotFoundError:
         return []
-    complete = raw[: raw.rfind(b"\n") + 1]
-    if cut_partial and len(complete) != len(raw):  # an interrupted write left a partial line: drop it
-        with open(path, "r+b") as f:
-            f.truncate(len(complete))
-    lines = []
-    for line in complete.split(b"\n")[:-1]:
-        line += b"\n"
-        try:
-            lines.append((str(json.loads(line)["id"]), line))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-            lines.append((None, line))
-    return lines
+    if lines and not lines[-1].raw.endswith(b"\n"):  # an interrupted write left a partial line: drop it
+        lines.pop()
+        if cut_partial:
+            with open(path, "r+b") as f:
+                f.truncate(sum(len(line.raw) for line in lines))
+    return [(str(line.value["id"]) if isinstance(line.value, dict) and "id" in line.value else None, line.raw)
+            for line in lines]
 
 
 def shard_path(out: Path, rank: int, world: int, suffix: str = ".jsonl") -> Path:
@@ -178,10 +172,13 @@ def distill(args: argparse.Namespace) -> dict:
     """Run self-distillation on this process's share of the prompts; returns a summary dict (also
     printed). Rank 0 of a multi-process run then waits for the other ranks and merges the shards."""
     rank, world = args.rank, args.world_size
-    examples, report = load_examples(args.data, split=args.split, limit=args.limit)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     sharded = world > 1
+    # Before any work: the resume check reads --out whole (a device such as /dev/full never ends).
+    out = check_output_file(args.out, "--out")
+    if sharded:
+        check_output_file(shard_path(out, rank, world), "--out (this rank's shard)")
+    examples, report = load_examples(args.data, split=args.split, limit=args.limit)
+    out.parent.mkdir(parents=True, exist_ok=True)
     share = examples[rank::world]
     target = shard_path(out, rank, world) if sharded else out
     marker = shard_path(out, rank, world, ".done")

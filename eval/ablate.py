@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpkit.data.chat import IGNORE, DataError, load_examples, tokenize_chat
+from mtpkit.data.jsonl import read_jsonl
 from mtpkit.eval.report import MARK, fmt, match_cell, ratio_cell, timing_warnings
 from mtpkit.models.backbone import DTYPE_CHOICES, DEVICE_CHOICES, load_backbone
 from mtpkit.models.gated_lora import load_head
@@ -309,10 +310,12 @@ def train(name: str, argv: list[str], out: Path, steps: int, launcher: list[str]
 
 
 def last_step(metrics: Path) -> int:
+    """The step of the last complete line of a run's metrics.jsonl; 0 before there is one."""
     try:
-        return json.loads(metrics.read_text().splitlines()[-1]).get("step", 0)
-    except (OSError, IndexError, ValueError):
+        lines = read_jsonl(metrics)
+    except (OSError, DataError):
         return 0
+    return next((line.value.get("step", 0) for line in reversed(lines) if isinstance(line.value, dict)), 0)
 
 
 def decodings(name: str, cfg: dict) -> list[tuple[str, str]]:
@@ -497,10 +500,9 @@ def curves(out: Path, names: list[str]) -> dict[str, dict]:
     for name in names:
         logged, evals = {}, {}
         path = out / name / "metrics.jsonl"
-        for line in path.read_text().splitlines() if path.is_file() else []:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by an interruption
+        for line in read_jsonl(path) if path.is_file() else []:
+            rec = line.value
+            if not isinstance(rec, dict):  # a line cut by an interruption
                 continue
             if "sim_tau" in rec:
                 evals[rec["step"]] = rec["sim_tau"]
