@@ -62,6 +62,7 @@ import torch
 from tqdm import tqdm
 
 from mtpkit.data.chat import DataError, load_examples, prompt_ids
+from mtpkit.data.jsonl import check_output_file
 from mtpkit.eval.decoder import PREFETCH_ROWS, Target, decode
 from mtpkit.eval.report import (dtype_table, summarise, timing_warnings, write_markdown, write_plot,
                                write_tradeoff_plot)
@@ -238,10 +239,12 @@ def check_writable(paths: dict[str, Path]) -> None:
     output paths is a folder. Run before anything is loaded."""
     folder = paths["json"].parent
     try:
+        for path in paths.values():  # a folder, a device or a FIFO is refused before anything is made
+            check_output_file(path, "--out")
+    except DataError as e:
+        sys.exit(f"bench: {e}")
+    try:
         folder.mkdir(parents=True, exist_ok=True)
-        for path in paths.values():
-            if path.is_dir():
-                raise IsADirectoryError(f"{path} is a folder")
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".bench-write-test-"):
             pass
     except OSError as e:

@@ -6,6 +6,7 @@ adapter's, and a head loaded on a backbone other than its own are refused with o
 
 import copy
 import json
+import os
 
 import pytest
 
@@ -155,3 +156,14 @@ def test_bad_option_values_are_one_line_errors(spec, message):
 def test_parse_paths_still_reads_trees():
     assert parse_paths("chain3") == [(0,), (0, 0), (0, 0, 0)]
     assert parse_paths("[[1, 0]]") == [(1,), (1, 0)]
+
+
+@pytest.mark.parametrize("out", ["folder.json", "file/results.json", "fifo.json"])
+def test_bench_refuses_an_out_that_is_not_a_file_before_anything(tmp_path, no_model, out):
+    (tmp_path / "folder.json").mkdir()
+    (tmp_path / "file").write_text("x")
+    os.mkfifo(tmp_path / "fifo.json")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--backbone", "tiny-llama-random", "--out", str(tmp_path / out), "--methods", "probe"])
+    one_line(str(e.value.code), "--out")
+    assert (tmp_path / "file").read_text() == "x"
