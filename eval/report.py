@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from mtpkit.data.jsonl import read_jsonl
 from mtpkit.models.heads import write_atomic
 
 TIE_TOLERANCE = 1e-4  # top-2 target logits closer than this: a genuine floating-point near-tie
@@ -195,6 +196,9 @@ def timing_warnings(results: dict) -> tuple[list[str], set]:
                 reasons.append(f"its target step ({c.get('mean_forward_tokens', '?')} rows a call) costs "
                                f"{c['step_cost_vs_ar']:.2f}x AR's 1-row step (< 1 - spread {tol:.2f}): AR's step is "
                                "not the fastest path on this target, so the speed-up is inflated")
+            if cat is None and r.get("other_backbone"):
+                reasons.append("its head runs on a backbone other than the one it was trained on "
+                               "(allow_other_backbone=1): not a result of this head")
             if name in BASELINES and name != "ar" and c["speedup_vs_ar"] > 1 + tol:
                 what = "transformers' generate" if name == "hf_ar" else "AR on torch's stock kernels"
                 reasons.append(f"{what} runs at {c['speedup_vs_ar']:.2f}x the mtpkit AR baseline (> 1 + spread "
@@ -298,6 +302,34 @@ def markdown_table(results: dict, per_cycle: bool = True) -> str:
     return "\n".join(lines) + "\n"
 
 
+def table_problem(results) -> str | None:
+    """What keeps `markdown_table` from tabling `results` (a results.json read from a file), as
+    one phrase naming the key ("no 'methods'", "no 'methods.ar.tau'", "'categories' is not a
+    list"), or None: a reader checks a file with it before it makes anything of it."""
+    if not isinstance(results, dict):
+        return f"a {type(results).__name__}, not a JSON object"
+    if not isinstance(results.get("methods"), dict) or not isinstance(results.get("categories"), list):
+        key = "methods" if not isinstance(results.get("methods"), dict) else "categories"
+        return f"no {key!r}" if key not in results else f"{key!r} is not a {'mapping' if key == 'methods' else 'list'}"
+    for spec, r in results["methods"].items():
+        if not isinstance(r, dict):
+            return f"'methods.{spec}' is not a mapping"
+        needed = ["tau", "tokens_per_s", "speedup_vs_ar", "matches_ar"]
+        needed += ["mismatches", "near_tie_mismatches"] if r.get("matches_ar") is False else []
+        needed += ["mu_acc", "max_tokens_per_s"] if r.get("mu_lat") is not None else []
+        for key in needed:
+            if key not in r:
+                return f"no 'methods.{spec}.{key}'"
+        for name in results["categories"]:
+            c = (r.get("per_category") or {}).get(name)
+            if not isinstance(c, dict):
+                return f"no 'methods.{spec}.per_category.{name}'"
+            for key in ("tau", "speedup_vs_ar"):
+                if key not in c:
+                    return f"no 'methods.{spec}.per_category.{name}.{key}'"
+    return None
+
+
 def match_cell(r: dict) -> str:
     if r["matches_ar"] is None:
         return "n/a (sampling)"
@@ -367,15 +399,14 @@ def write_plot(results: dict, path: Path) -> None:
 
 def write_training_plot(metrics_file: Path, path: Path) -> None:
     """Loss parts, per-mask top-1 accuracy and the simulated tau against the step, from a
-    training run's metrics.jsonl."""
-    import json
-
+    training run's metrics.jsonl (a line that is not a JSON object, e.g. one cut by an
+    interruption, is passed over)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in Path(metrics_file).read_text().splitlines() if line.strip()]
+    rows = [line.value for line in read_jsonl(metrics_file) if isinstance(line.value, dict)]
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "sim_tau" in r]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))

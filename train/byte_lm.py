@@ -14,13 +14,13 @@ follows a cosine to `--min-lr-ratio` that ends at --max-steps or --time-budget-m
 comes first.
 
 Writes to --output-dir: config.yaml, metrics.jsonl (loss, bytes/s; held-out bits per byte
-every --eval-every steps), checkpoint-N/ (train/checkpoints.py: state/, trainer_state.json,
-config.yaml and head/, the model as a Hugging Face folder), and model/ (the final Hugging Face
-folder: config, safetensors, byte tokenizer) plus eval.json with the final held-out bits per
-byte per source. `--install` also copies model/ to the cache folder that the backbone name
-`mtpkit-byte-lm` loads (see models/backbone.py), atomically: an interrupted install leaves the
-earlier installed model in place. One process is the usual run; it also runs
-under `accelerate launch` or `torchrun` (DDP).
+every --eval-every steps), metrics.png (the loss curve, at the end), checkpoint-N/
+(train/checkpoints.py: state/, trainer_state.json, config.yaml and head/, the model as a Hugging
+Face folder), and model/ (the final Hugging Face folder: config, safetensors, byte tokenizer) plus
+eval.json with the final held-out bits per byte per source. `--install` also copies model/ to
+the cache folder that the backbone name `mtpkit-byte-lm` loads (see models/backbone.py),
+atomically: an interrupted install leaves the earlier installed model in place. One process is
+the usual run; it also runs under `accelerate launch` or `torchrun` (DDP).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtpkit.data.bytes import build_corpus
 from mtpkit.data.chat import DataError
+from mtpkit.eval.report import write_training_plot
 from mtpkit.models.backbone import BYTE_LM, byte_tokenizer, cache_dir
 from mtpkit.models.heads import run_script, write_atomic
 from mtpkit.train import engine
@@ -271,6 +272,7 @@ def main(argv=None) -> dict:
         write_head(folder)
         write_atomic(folder.parent / "eval.json", json.dumps(result, indent=2))
         metrics.write(result)
+        write_training_plot(metrics.path, Path(cfg.output_dir) / "metrics.png")
         log("[eval] held-out bits per byte: " + ", ".join(
             f"{k.split('/', 1)[1]} {v:.3f}" for k, v in result.items() if k.startswith("bpb/")))
         if cfg.install:

@@ -17,9 +17,11 @@
 The learning-rate schedule is not saved: it is rebuilt from trainer_state's step. A resume loads
 state/ into the prepared model and optimizer and moves the metric lines logged after the
 checkpoint's step aside, so an interrupted and resumed run logs the same losses as one that ran
-straight through. A pickled state/ (DeepSpeed's, or one of the earlier accelerate layout:
-optimizer.bin, random_states_R.pkl) can run code when loaded: it resumes only with
---trust-checkpoint 1. No checkpoint with non-finite trainable weights is written.
+straight through. Its files are checked first (`unreadable`): `--resume auto` steps past a newest
+checkpoint cut short (a full disk, an interrupted copy) to the one before, saying which and why.
+A pickled state/ (DeepSpeed's, or one of the earlier accelerate layout: optimizer.bin,
+random_states_R.pkl) can run code when loaded: it resumes only with --trust-checkpoint 1. No
+checkpoint with non-finite trainable weights is written.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -64,17 +67,43 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def resume_folder(cfg, old_layout: str = "", deepspeed: bool = False) -> Path | None:
-    """`--resume`: '' = none, `auto` = the newest checkpoint in output_dir, else the folder given.
-    Refuses (SystemExit, one line) before any model is loaded: a folder that is not a checkpoint,
-    one of an earlier layout (`old_layout` says what to do; `{folder}` in it is the folder), a
-    pickled state/ (DeepSpeed's or accelerate's) without --trust-checkpoint 1, and a state/ that
-    the run's distributed stack cannot read (`deepspeed`: this run uses DeepSpeed)."""
+def resume_folder(cfg, old_layout: str = "", deepspeed: bool = False, log=None) -> Path | None:
+    """`--resume`: '' = none, `auto` = the newest readable checkpoint in output_dir, else the folder
+    given. Refuses (SystemExit, one line) before any model is loaded: a folder that is not a
+    checkpoint, one of an earlier layout (`old_layout` says what to do; `{folder}` in it is the
+    folder), a pickled state/ (DeepSpeed's or accelerate's) without --trust-checkpoint 1, a state/
+    that the run's distributed stack cannot read (`deepspeed`: this run uses DeepSpeed), and one
+    with a file that cannot be read whole (`unreadable`). `auto` steps past such unreadable
+    checkpoints to the newest readable one, saying through `log` which it skipped and why; when
+    every one is unreadable it refuses. Every process decides alike (it reads the same files)."""
     if not cfg.resume:
         return None
-    folder = latest_checkpoint(Path(cfg.output_dir)) if cfg.resume == "auto" else Path(cfg.resume)
-    if folder is None:
-        return None
+    if cfg.resume != "auto":
+        folder = Path(cfg.resume)
+        _check_layout(folder, cfg, old_layout, deepspeed)
+        problem = unreadable(folder)
+        if problem:
+            raise SystemExit(f"--resume {folder}: {problem}; resume from another checkpoint (--resume auto takes "
+                             "the newest readable one)")
+        return folder
+    skipped = []
+    for folder in reversed(checkpoints(Path(cfg.output_dir))):
+        _check_layout(folder, cfg, old_layout, deepspeed)
+        problem = unreadable(folder)
+        if problem is None:
+            if skipped and log is not None:
+                log(f"[resume] skipping {len(skipped)} unreadable checkpoint(s): {'; '.join(skipped)}; resuming "
+                    f"from {folder}")
+            return folder
+        skipped.append(problem)
+    if skipped:
+        raise SystemExit(f"--resume auto: no checkpoint in {cfg.output_dir} can be read whole ({'; '.join(skipped)}); "
+                         "start anew with --overwrite 1, or into another --output-dir")
+    return None
+
+
+def _check_layout(folder: Path, cfg, old_layout: str, deepspeed: bool) -> None:
+    """resume_folder's refusals of a folder that this run cannot resume whatever its files hold."""
     if not (folder / TRAINER_STATE).is_file():
         raise SystemExit(f"--resume {folder}: not a checkpoint (no {TRAINER_STATE})")
     state = folder / STATE
@@ -86,12 +115,40 @@ def resume_folder(cfg, old_layout: str = "", deepspeed: bool = False) -> Path | 
         if deepspeed:
             raise SystemExit(f"--resume {folder}: a checkpoint of a run without DeepSpeed; a DeepSpeed run resumes "
                              "only its own checkpoints (start a new run, or resume without DeepSpeed)")
-        return folder
+        return
     if not getattr(cfg, "trust_checkpoint", False):
         kind = "DeepSpeed's" if (state / "pytorch_model").is_dir() else "accelerate's (an earlier layout)"
         raise SystemExit(f"--resume {folder}: its {STATE}/ is {kind} pickled state, and unpickling can run code; "
                          "pass --trust-checkpoint 1 only if you wrote it yourself")
-    return folder
+
+
+def unreadable(folder: Path) -> str | None:
+    """The first file of checkpoint `folder` that a resume reads and that cannot be read whole (cut
+    short by a full disk or an interrupted copy, or garbled), as "PATH cannot be read (why)"; None
+    when all can. Checked without loading a tensor: trainer_state.json parses with its step; a
+    state/ of `save_state` has model.safetensors, optimizer.safetensors and optimizer.json, and
+    every JSON file there parses and every safetensors file's header is whole and covers the file
+    exactly. A pickled state/ (DeepSpeed's) is checked by its trainer_state.json only."""
+    path = folder / TRAINER_STATE
+    try:
+        if not isinstance(json.loads(path.read_text()).get("step"), int):
+            return f"{path} cannot be read (no integer step)"
+        state = folder / STATE
+        if not (state / SAFE_STATE).is_file():
+            return None
+        missing = [name for name in ("model.safetensors", "optimizer.safetensors") if not (state / name).is_file()]
+        if missing:
+            return f"{state / missing[0]} cannot be read (missing)"
+        for path in sorted(state.iterdir()):
+            if path.suffix == ".json":
+                json.loads(path.read_text())
+            elif path.suffix == ".safetensors":
+                with safe_open(str(path), framework="pt"):
+                    pass
+    except (OSError, ValueError, AttributeError, SafetensorError) as e:  # ValueError: JSON's and UTF-8's errors
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"{path} cannot be read ({why})"
+    return None
 
 
 def drop_frozen(models, weights, output_dir) -> None:

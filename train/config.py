@@ -140,9 +140,10 @@ def coerce(kind, value, where: str):
     return value
 
 
-def from_dict(cls, values, source: str, prefix: str = ""):
+def from_dict(cls, values, source: str, prefix: str = "", root=None):
     """Build `cls` from a (YAML) mapping, naming the file and key of anything wrong (`prefix`:
-    the keys above a nested mapping, e.g. "model.")."""
+    the keys above a nested mapping, e.g. "model."; `root`: the outermost config class). An
+    unknown key that is a field at another level (`k: 2` at the top, for `model.k`) says where."""
     if not isinstance(values, dict):
         what = f"{prefix.rstrip('.')}" if prefix else "the file"
         raise ConfigError(f"{source}: {what} must be a mapping of key: value lines, got {values!r}")
@@ -150,9 +151,13 @@ def from_dict(cls, values, source: str, prefix: str = ""):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(values) - names
     if unknown:
+        elsewhere = [".".join(path) + (f" (indented under {path[0]}:)" if len(path) > 1 else " (at the top level)")
+                     for path, _, _ in _flag_fields(root or cls) if path[-1] in unknown]
+        hint = f"; did you mean {', '.join(elsewhere)}?" if elsewhere else ""
         raise ConfigError(f"{source}: unknown key(s) {sorted(prefix + str(k) for k in unknown)}; "
-                          f"valid: {sorted(names)}")
-    return cls(**{key: from_dict(hints[key], value, source, f"{prefix}{key}.") if dataclasses.is_dataclass(hints[key])
+                          f"valid: {sorted(names)}{hint}")
+    return cls(**{key: from_dict(hints[key], value, source, f"{prefix}{key}.", root or cls)
+                  if dataclasses.is_dataclass(hints[key])
                   else coerce(hints[key], value, f"{source}: {prefix}{key}") for key, value in values.items()})
 
 

@@ -10,7 +10,9 @@ and loss under `accelerator.accumulate`, then a `BackwardStep`: backward, clip, 
 non-finite rule; log through `Window` and `MetricsWriter`; evaluate (on the main process, or on
 every process under ZeRO-3: `evaluates_here`); `checkpoints.save_checkpoint`), and `finish`.
 
-An output dir holds one run: a fresh run into a folder with another run's files is refused
+An output dir holds one run: while a run lives, its main process holds an exclusive lock on
+output_dir/.mtpkit.lock (`lock_output_dir`), so a second run into the same folder is refused at
+once, whatever its flags; a fresh run into a folder with another (ended) run's files is refused
 unless `--resume` (continue it) or `--overwrite 1` (delete that run's files first);
 output_dir/config.yaml is written only once the run has started (after the --resume checkpoint
 loaded).
@@ -21,6 +23,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import errno
+import fcntl
 import gc
 import json
 import os
@@ -46,6 +50,8 @@ NONFINITE = ("stop", "skip")
 RUN_FILES = ("config.yaml", "metrics.jsonl", "metrics.superseded.jsonl", "metrics.png", "tensorboard", "model",
              "eval.json")
 """what a recipe writes to output_dir besides checkpoint-N/ (model/ and eval.json: byte_lm)"""
+LOCK = ".mtpkit.lock"
+"""output_dir/LOCK: the file a living run holds locked (flock), holding its main process's pid"""
 
 
 @dataclasses.dataclass
@@ -143,6 +149,8 @@ TRAIN_RULES: tuple[Rule, ...] = (
      DEVICE_CHOICES),
     ("dtype", *one_of(("auto",) + tuple(DTYPES))),
     ("mixed_precision", *one_of(MIXED_PRECISION)),
+    ("mixed_precision", lambda v, cfg: v != "fp16" or not trains_on_cpu(cfg),
+     "auto, no or bf16 on a CPU (accelerate runs no float16 autocast there; it would silently run without)"),
     ("seed", *at_least(0)),
     ("log_every", *at_least(1)),
     ("eval_every", *at_least(0)),
@@ -152,6 +160,11 @@ TRAIN_RULES: tuple[Rule, ...] = (
     ("dist_timeout", *at_least(1)),
 )
 """the rules of the shared fields (train/config.py `check`), in the order they are checked"""
+
+
+def trains_on_cpu(cfg: TrainArgs) -> bool:
+    """Whether the run trains on a CPU: --device cpu, or auto where no GPU is visible."""
+    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
 
 
 def parse_config(parser: argparse.ArgumentParser, cls, argv=None, rules: tuple[Rule, ...] = ()):
@@ -166,9 +179,11 @@ def parse_config(parser: argparse.ArgumentParser, cls, argv=None, rules: tuple[R
 
 
 def setup(cfg: TrainArgs, old_layout: str):
-    """The run's `Accelerator` (seeded). Refused here, before any model is loaded: a --resume
-    folder that cannot be resumed (`old_layout` says what to do with a checkpoint of an earlier
-    layout; `{folder}`: the folder), and an output_dir that holds another run (see
+    """The run's `Accelerator` (seeded). Refused here, before any model is loaded and before
+    anything is written: a --resume folder that cannot be resumed (`old_layout` says what to do
+    with a checkpoint of an earlier layout; `{folder}`: the folder; `--resume auto` says here which
+    unreadable checkpoints it steps past), an output_dir that another living run holds (see
+    `lock_output_dir`; this run then holds it) and one that holds another run's files (see
     `claim_output_dir`). A process started by a launcher (torchrun, accelerate launch) ends
     when the launcher dies (`die_with_parent`).
 
@@ -200,7 +215,8 @@ def setup(cfg: TrainArgs, old_layout: str):
                               log_with="tensorboard" if cfg.tensorboard else None, project_dir=str(out),
                               cpu=device.type == "cpu" and not deepspeed, kwargs_handlers=[group])
     set_seed(cfg.seed)
-    checkpoints.resume_folder(cfg, old_layout, deepspeed=deepspeed)
+    checkpoints.resume_folder(cfg, old_layout, deepspeed=deepspeed, log=printer(accelerator))
+    lock_output_dir(accelerator, cfg)
     claim_output_dir(accelerator, cfg)
     if cfg.tensorboard:
         accelerator.init_trackers("tensorboard", config=_flat(dataclasses.asdict(cfg)))
@@ -262,6 +278,74 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
+
+
+_held: dict[Path, int] = {}
+"""the output dirs whose LOCK this process holds: resolved folder -> open file descriptor"""
+
+
+def lock_output_dir(accelerator, cfg: TrainArgs) -> None:
+    """The run's hold on output_dir (every mode: fresh, --resume, --overwrite): the main process
+    creates output_dir and takes an exclusive, non-blocking flock on output_dir/LOCK, writes its pid
+    there, and keeps it until `finish` (or its exit: the kernel lets go of a dead process's lock).
+    When another process holds it, the run is refused at once (SystemExit on every process: the
+    main process's answer goes to all), naming the holder's pid. The lock file is never deleted
+    (a run deleting it could let two later runs lock two different files).
+    A lock still held by this process (an earlier in-process run, e.g. a test's `main()`, that
+    ended with an error before `finish`) is that ended run's: it is let go first. On a file system
+    without locks the run goes on unlocked, saying so; a folder that cannot be created or opened
+    is refused."""
+    out, holder, problem = Path(cfg.output_dir), 0, ""
+    if accelerator.is_main_process:
+        try:
+            holder = _lock(out)
+        except OSError as e:
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                printer(accelerator)(f"[lock] {out / LOCK}: the file system takes no locks ({e.strerror}); a second "
+                                     "run into this folder would not be refused")
+            else:
+                holder, problem = -2, f"cannot lock {out / LOCK} ({e.strerror or e})"
+    if accelerator.num_processes > 1:  # the main process's answer, to every process
+        holder = int(accelerator.reduce(torch.tensor([holder], device=accelerator.device), reduction="sum").item())
+    if holder == -2:
+        raise SystemExit(f"error: --output-dir {out}: {problem or 'the main process cannot lock ' + str(out / LOCK)}")
+    if holder:
+        who = f"pid {holder}" if holder > 0 else "a process that did not write its pid"
+        raise SystemExit(f"error: --output-dir {out} is in use by another run ({who} holds {out / LOCK}); wait "
+                         "for it to end, or choose another --output-dir")
+
+
+def _lock(out: Path) -> int:
+    """0 once this process holds out/LOCK; else the holder's pid (-1: not written)."""
+    out.mkdir(parents=True, exist_ok=True)
+    key = out.resolve()
+    stale = _held.pop(key, None)
+    if stale is not None:
+        os.close(stale)
+    fd = os.open(key / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            for _ in range(20):  # the holder writes its pid right after it locks
+                text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                if text.isdigit():
+                    return int(text)
+                time.sleep(0.01)
+            return -1
+        finally:
+            os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _held[key] = fd
+    return 0
+
+
+def unlock_output_dir(out) -> None:
+    """Let go of the lock this process holds on `out` (nothing when it holds none)."""
+    fd = _held.pop(Path(out).resolve(), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def claim_output_dir(accelerator, cfg: TrainArgs) -> None:
@@ -408,14 +492,16 @@ class BackwardStep:
 
 
 def finish(accelerator) -> None:
-    """End the run on every process: trackers closed, then the process group destroyed. The
-    accelerator lets go of the prepared model first, so a DDP reducer (which holds the process
-    group) is freed while every process is still here, not at exit, where on gloo a process could
-    wait forever on its peer's closed sockets; a recipe drops its own reference before calling this."""
+    """End the run on every process: trackers closed, the process group destroyed, the output
+    dir's lock let go (`lock_output_dir`). The accelerator lets go of the prepared model first, so
+    a DDP reducer (which holds the process group) is freed while every process is still here, not
+    at exit, where on gloo a process could wait forever on its peer's closed sockets; a recipe
+    drops its own reference before calling this."""
     accelerator.free_memory()
     gc.collect()
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    unlock_output_dir(accelerator.project_dir)
 
 
 def micro_batch(features: list, step: int, accelerator, cfg: TrainArgs) -> list:

@@ -17,20 +17,23 @@ cache); without network it says so and keeps the folder.
 
 --out is created, or must be empty or an earlier export (only the files an export writes:
 mtpkit_config.json, README.md, a method's head files); a folder with other files is refused
-unless --overwrite, which replaces the export's files there and leaves the others. Every file is
-written through a temporary file and a rename. Weights with NaN or inf values are refused.
+unless --overwrite, which replaces the export's files there and leaves the others. Everything is
+read and checked first (the head's weights: NaN or inf values are refused; --results: what the
+tau table needs), then the export is written into a temporary folder beside --out and swapped in
+whole once its card is written: a failure leaves --out as it was. An earlier export's files
+that this export does not write (another method's head files) do not carry over.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
 
-from mtpkit.models.heads import (HEAD_CONFIG, head_folder, read_head_config, read_weights, replacing,
-                                 run_script, write_atomic)
+from mtpkit.models.heads import HEAD_CONFIG, head_folder, read_head_config, read_weights, run_script
 from mtpkit.models.registry import METHODS, trained_method
 from mtpkit.train.checkpoints import latest_checkpoint
 
@@ -119,6 +122,45 @@ def push(folder: Path, repo: str, private: bool) -> str:
     return api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="mtpkit export").commit_url
 
 
+def read_results(path: str) -> dict:
+    """--results: a results.json of eval/bench.py that the card's tau table can be built from, or
+    SystemExit (one line naming the file and what it lacks)."""
+    from mtpkit.eval.report import table_problem
+
+    try:
+        results = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        sys.exit(f"export: --results {path}: {e}")
+    problem = table_problem(results)
+    if problem:
+        sys.exit(f"export: --results {path}: not a results.json of eval/bench.py ({problem})")
+    return results
+
+
+def swap_in(new: Path, out: Path) -> None:
+    """Put the folder `new` in the place of `out` (which may not exist): `out` aside, `new` in,
+    then the old one deleted; `out` goes back if the second rename fails."""
+    old = out.with_name(f".{out.name}.export-old-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        os.replace(out, old)
+    try:
+        os.replace(new, out)
+    except BaseException:
+        if old.exists():
+            os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _link_or_copy(src, dst) -> None:
+    """A hard link (instant, no space) where the file system allows, else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def main(argv=None) -> Path:
     args = parse_args(argv)
     try:
@@ -146,25 +188,39 @@ def main(argv=None) -> Path:
     if foreign and not args.overwrite:
         sys.exit(f"export: --out {out} holds files an export did not write ({', '.join(foreign[:5])}); choose a new "
                  "or empty folder, or pass --overwrite to write beside them")
-    out.mkdir(parents=True, exist_ok=True)
-    for name in files:
-        with replacing(out / name) as tmp:
-            shutil.copyfile(head / name, tmp)
     # checkpoint-N/head/, or a checkpoint-N/ that holds the head files itself
     ckpt = head if (head / "trainer_state.json").is_file() else head.parent
     trainer_file = ckpt / "trainer_state.json"
-    trainer = json.loads(trainer_file.read_text()) if trainer_file.is_file() else {}
-    if trainer:
-        config["trained_steps"] = trainer["step"]
-        write_atomic(out / HEAD_CONFIG, json.dumps(config, indent=1))
-    results = None
-    if args.results:
-        try:
-            results = json.loads(Path(args.results).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            sys.exit(f"export: --results {args.results}: {e}")
+    try:
+        trainer = json.loads(trainer_file.read_text()) if trainer_file.is_file() else {}
+        if trainer:
+            config["trained_steps"] = trainer["step"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        sys.exit(f"export: {trainer_file} cannot be read ({type(e).__name__}: {e})")
+    results = read_results(args.results) if args.results else None
     train_config = (ckpt / "config.yaml").read_text() if (ckpt / "config.yaml").is_file() else ""
-    write_atomic(out / "README.md", model_card(config, results, trainer, train_config))
+
+    dest = out.resolve()  # a symlinked --out: its target is replaced, the link stays
+    new = dest.with_name(f".{dest.name}.export-new-{os.getpid()}")
+    shutil.rmtree(new, ignore_errors=True)
+    try:
+        new.mkdir(parents=True)
+        for name in foreign:  # only with --overwrite: the files an export did not write stay
+            src = dest / name
+            if src.is_dir() and not src.is_symlink():
+                shutil.copytree(src, new / name, symlinks=True, copy_function=_link_or_copy)
+            elif src.is_symlink():
+                os.symlink(os.readlink(src), new / name)
+            else:
+                _link_or_copy(src, new / name)
+        for name in files:
+            shutil.copyfile(head / name, new / name)
+        if trainer:
+            (new / HEAD_CONFIG).write_text(json.dumps(config, indent=1))
+        (new / "README.md").write_text(model_card(config, results, trainer, train_config))
+        swap_in(new, dest)
+    finally:
+        shutil.rmtree(new, ignore_errors=True)
     print(f"[export] {head} -> {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
     if args.push_to_hub:
         try:

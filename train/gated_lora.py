@@ -38,7 +38,7 @@ from mtpkit.data.chat import IGNORE, DataError, load_examples, prompt_ids, token
 from mtpkit.data.mtp import choose_anchors, collate_cached, collate_mask_inputs, mask_inputs
 from mtpkit.eval.decoder import Target, decode
 from mtpkit.eval.report import write_training_plot
-from mtpkit.models.backbone import DEFAULT_BACKBONE, eos_token_ids, load_backbone
+from mtpkit.models.backbone import DEFAULT_BACKBONE, DTYPES, eos_token_ids, load_backbone
 from mtpkit.models.gated_lora.drafter import DECODINGS, GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP
 from mtpkit.models.gated_lora.model import LCM_DISTANCES
@@ -81,6 +81,10 @@ class TrainConfig(TrainArgs):
 
 
 RULES: tuple[Rule, ...] = (
+    # the float32 LoRA and sampler meet a float16 backbone's activations only under float16
+    # autocast, which accelerate does not run on a CPU (MTPC's head casts its inputs itself)
+    ("dtype", lambda v, cfg: DTYPES.get(v) != torch.float16 or not engine.trains_on_cpu(cfg),
+     "float32, bfloat16 or auto on a CPU (float16 trains on a GPU only)"),
     ("backbone", *NOT_EMPTY),
     ("data", *NOT_EMPTY),
     ("max_length", *at_least(1)),

@@ -21,11 +21,12 @@ to the target's next-byte distribution at every window offset (App. G, `--kl-wei
 DDP through accelerate (gloo on CPU, NCCL on GPU) averages the head and LoRA gradients.
 
 Writes to --output-dir: config.yaml, metrics.jsonl (loss, per-offset NLL, bytes/s; every
---eval-every steps a held-out acceptance estimate), checkpoint-N/ (train/checkpoints.py: state/,
-trainer_state.json, config.yaml and head/, the loadable head). `--resume auto` continues from the
-newest checkpoint with the same losses as an uninterrupted run. A process that seems stuck prints
-every thread's stack on `kill -USR1 PID`. `--init-from DIR` starts from the head of an earlier
-run (the paper's two stages: heads first, then LoRA layers).
+--eval-every steps a held-out acceptance estimate), metrics.png (the loss curve, at the end),
+checkpoint-N/ (train/checkpoints.py: state/, trainer_state.json, config.yaml and head/, the
+loadable head). `--resume auto` continues from the newest checkpoint with the same losses as an
+uninterrupted run. A process that seems stuck prints every thread's stack on `kill -USR1 PID`.
+`--init-from DIR` starts from the head of an earlier run (the paper's two stages: heads first,
+then LoRA layers).
 
 The held-out estimate ("teacher-forced acceptance"): on held-out answers, the mean number of
 leading bytes of the head's greedy (max-product) window that equal the answer's next bytes.
@@ -41,12 +42,14 @@ import faulthandler
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from mtpkit.data.chat import IGNORE, DataError, load_examples, tokenize_chat
+from mtpkit.eval.report import write_training_plot
 from mtpkit.models.backbone import load_backbone
 from mtpkit.models.mtpc.circuits import ARCHS, mode, next_log_probs
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel, window_loss, window_targets
@@ -313,6 +316,8 @@ def main(argv=None) -> dict:
                             {"micro_step": micro, "bytes_seen": bytes_seen},
                             functools.partial(METHODS["mtpc"].save_head, mtpc, base_model=cfg.backbone))
     bar.close()
+    if accelerator.is_main_process and metrics.path.is_file():
+        write_training_plot(metrics.path, Path(cfg.output_dir) / "metrics.png")
     del model  # see engine.finish
     engine.finish(accelerator)
     return result
