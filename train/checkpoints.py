@@ -40,6 +40,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from mtpkit.data.jsonl import read_jsonl
 from mtpkit.models.heads import check_finite, write_atomic
 
 TRAINER_STATE = "trainer_state.json"
@@ -330,15 +331,12 @@ def supersede_metrics(metrics_file: Path, step: int, log=print) -> int:
     if not metrics_file.is_file():
         return 0
     keep, moved = [], []
-    for line in metrics_file.read_text().splitlines():
-        try:
-            later = json.loads(line).get("step", 0) > step
-        except (json.JSONDecodeError, AttributeError):
-            later = False  # not ours to judge: kept where it was
-        (moved if later else keep).append(line)
+    for line in read_jsonl(metrics_file):  # lines end at \n only: a raw U+2028 in a value is text
+        later = isinstance(line.value, dict) and line.value.get("step", 0) > step  # else not ours to judge: kept
+        (moved if later else keep).append(line.raw if line.raw.endswith(b"\n") else line.raw + b"\n")
     if moved:
-        with open(metrics_file.with_name("metrics.superseded.jsonl"), "a") as f:
-            f.write("\n".join(moved) + "\n")
-        write_atomic(metrics_file, "".join(line + "\n" for line in keep))
+        with open(metrics_file.with_name("metrics.superseded.jsonl"), "ab") as f:
+            f.write(b"".join(moved))
+        write_atomic(metrics_file, b"".join(keep))
         log(f"[resume] {len(moved)} metric line(s) logged after step {step} moved to metrics.superseded.jsonl")
     return len(moved)

@@ -26,3 +26,12 @@ def test_supersede_metrics_moves_only_lines_after_the_checkpoint(tmp_path):
     assert len((tmp_path / "metrics.superseded.jsonl").read_text().splitlines()) == 4
     assert supersede_metrics(tmp_path / "absent.jsonl", 5, said.append) == 0
     assert len(said) == 2  # nothing moved, nothing said
+
+
+def test_supersede_metrics_keeps_a_line_with_a_unicode_line_separator_whole(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "note": "a\u2028b\x85c"}, ensure_ascii=False) for s in (1, 2, 3)]
+    metrics.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert supersede_metrics(metrics, 2, lambda msg: None) == 1
+    assert metrics.read_text(encoding="utf-8").split("\n") == [lines[0], lines[1], ""]
+    assert (tmp_path / "metrics.superseded.jsonl").read_text(encoding="utf-8") == lines[2] + "\n"
