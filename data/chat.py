@@ -71,6 +71,8 @@ def to_messages(record: dict) -> list[dict]:
             msgs.append({"role": role, "content": turn[text_key]})
     elif "instruction" in record:
         prompt = record["instruction"]
+        if not isinstance(prompt, str) or not isinstance(record.get("input", ""), (str, type(None))):
+            raise ValueError("`instruction` (and `input`, when given) must be strings")
         if record.get("input"):
             prompt = f"{prompt}\n\n{record['input']}"
         msgs = [{"role": "user", "content": prompt}]

@@ -71,6 +71,8 @@ def parse_jsonl(data: bytes) -> list[Line]:
                 error = f"invalid UTF-8 (byte {e.start + 1} of the line)"
             except json.JSONDecodeError as e:
                 error = f"invalid JSON: {e.msg}"
+            except (ValueError, RecursionError) as e:  # an int past Python's digit limit, nesting past its stack
+                error = f"invalid JSON: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
         lines.append(Line(number, value, raw, error))
     return lines
 

@@ -199,9 +199,15 @@ def typed_settings(cls, values, source):
     unknown = sorted(set(values) - names)
     if unknown:
         raise ValueError(f"{source}: unknown setting(s) {unknown[:3]}; known: {', '.join(sorted(names))}")
+    values = dict(values)
     for key, value in values.items():
         if not _is_a(value, hints[key]):
-            raise ValueError(f"{source}: {key!r} must be {_type_name(hints[key])}, got {value!r:.40}")
+            raise ValueError(f"{source}: {key!r} must be {_type_name(hints[key])}, got {str(value)[:40]!r}")
+        if hints[key] is float and isinstance(value, int):
+            try:
+                values[key] = float(value)
+            except OverflowError:
+                raise ValueError(f"{source}: {key!r} is out of range") from None
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:
@@ -251,8 +257,9 @@ def read_json(path):
     """The JSON value of the file `path`; a file that is not UTF-8 JSON is a ValueError naming it."""
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an int past the digit limit, deep nesting
+        first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise ValueError(f"{path}: not valid JSON ({first})") from None
 
 
 def read_weights(path) -> dict[str, torch.Tensor]:

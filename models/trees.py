@@ -81,6 +81,8 @@ def children_of(parents: torch.Tensor | list[int], num_nodes: int) -> list[list[
 
 
 BLOCKS = ("chain", "all", "root", "leaf")
+MAX_DEPTH = 64
+"""the deepest draft a tree may have (a chain of 64 drafted tokens is far past any accepted length)"""
 SCHEDULES = ("static", "ladder", "hyst")
 SIGNALS = ("path", "ema")
 
@@ -92,8 +94,8 @@ def parse_paths(spec) -> list[tuple[int, ...]]:
     if isinstance(spec, str):
         text = spec.strip()
         if text.startswith("chain"):
-            if not text[5:].isdigit() or int(text[5:]) < 1:
-                raise ValueError(f"tree {spec!r}: `chainN` needs a whole number N >= 1, e.g. chain3")
+            if not text[5:].isdigit() or not 1 <= int(text[5:]) <= MAX_DEPTH:
+                raise ValueError(f"tree {spec!r:.40}: `chainN` needs a whole number 1 <= N <= {MAX_DEPTH}, e.g. chain3")
             return [(0,) * d for d in range(1, int(text[5:]) + 1)]
         try:
             spec = json.loads(text)
@@ -103,6 +105,8 @@ def parse_paths(spec) -> list[tuple[int, ...]]:
         raise ValueError(f"tree {spec!r:.60}: not a list of rank paths like [[0],[1],[0,0]]")
     paths = set()
     for path in spec:
+        if isinstance(path, (list, tuple)) and len(path) > MAX_DEPTH:
+            raise ValueError(f"tree path of depth {len(path)}: at most {MAX_DEPTH} deep")
         if (not isinstance(path, (list, tuple)) or not path
                 or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path)):
             raise ValueError(f"tree path {path!r:.60}: a path is a non-empty list of non-negative whole ranks")
@@ -335,7 +339,8 @@ def load_bank(spec: str, task: str | None = None, blocks: str = "") -> tuple[lis
     mask-block placement of a single tree ('' = chain); a bank's trees carry their own."""
     path = Path(spec)
     single = blocks or "chain"
-    if spec.endswith(".json") or path.is_file():
+    text = spec.strip()
+    if not text.startswith(("[", "chain")) and (spec.endswith(".json") or path.is_file()):
         if not path.is_file():
             raise ValueError(f"tree bank {spec}: no such file")
         try:
@@ -348,6 +353,9 @@ def load_bank(spec: str, task: str | None = None, blocks: str = "") -> tuple[lis
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, OSError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"tree bank {spec}: not a bank written by eval/tree_frontier.py ({e})") from None
         schedules = data.get("schedules", {})
+        if not isinstance(schedules, dict) or not all(
+                isinstance(v, dict) and all(isinstance(e, dict) for e in v.values()) for v in schedules.values()):
+            raise ValueError(f"tree bank {spec}: \"schedules\" must map each task to its schedules (objects)")
         if task is not None and task not in schedules:
             raise ValueError(f"tree bank {spec}: no schedules for task {task!r} (has {sorted(schedules)})")
         chosen = schedules.get(task) if task else next(iter(schedules.values()), {})
@@ -386,7 +394,16 @@ class MaskTreeOptions(TreeOptions):
 
 
 def tree_schedule(options: TreeOptions, schedules: dict, n_trees: int, method: str) -> Schedule:
-    """The schedule `options` ask for, from a bank's calibrated schedules."""
+    """The schedule `options` ask for, from a bank's calibrated schedules. A malformed bank entry
+    is a ValueError (one line)."""
+    try:
+        return _tree_schedule(options, schedules, n_trees, method)
+    except (KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"{method} tree={options.tree!r:.60}: the bank's {options.schedule!r} schedule is malformed "
+                         f"({type(e).__name__}: {e}); rewrite it with eval/tree_frontier.py") from None
+
+
+def _tree_schedule(options: TreeOptions, schedules: dict, n_trees: int, method: str) -> Schedule:
     if options.schedule == "static":
         if options.index >= 0:
             index = options.index
@@ -394,8 +411,8 @@ def tree_schedule(options: TreeOptions, schedules: dict, n_trees: int, method: s
             index = schedules["static"]["trees"][0]
         else:
             index = 0
-        if not 0 <= index < n_trees:
-            raise ValueError(f"{method} index={index}: the bank {options.tree} has {n_trees} trees")
+        if not isinstance(index, int) or not 0 <= index < n_trees:
+            raise ValueError(f"{method} index={index!r}: the bank {options.tree} has {n_trees} trees")
         return Schedule("static", [index])
     if options.schedule not in schedules:
         raise ValueError(f"{method} schedule={options.schedule}: the bank {options.tree} has no calibrated "

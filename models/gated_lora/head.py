@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from mtpkit.models.gated_lora.model import GatedLoRAConfig, GatedMTP
+from mtpkit.models.gated_lora.model import LCM_DISTANCES, GatedLoRAConfig, GatedMTP
 from mtpkit.models.heads import (HEAD_CONFIG, ModelCard, check_backbone, check_finite, head_folder, read_head_config,
                                  read_json, read_weights, replacing, typed_settings, write_head_config)
 
@@ -50,6 +50,8 @@ def read_settings(head_dir) -> tuple[dict, GatedLoRAConfig]:
     lora = typed_settings(GatedLoRAConfig, config["gated_lora"], f"{source} gated_lora")
     if lora.k < 1 or lora.rank < 1:
         raise ValueError(f"{source}: gated_lora needs k >= 1 and rank >= 1, got k={lora.k}, rank={lora.rank}")
+    if lora.lcm not in LCM_DISTANCES:
+        raise ValueError(f"{source}: gated_lora lcm must be one of {LCM_DISTANCES}, got {lora.lcm!r}")
     if config.get("k", lora.k) != lora.k:
         raise ValueError(f"{source}: \"k\": {config.get('k')!r} differs from gated_lora's k {lora.k}")
     adapter = read_json(head_dir / "adapter_config.json")  # peft's own error would not name the file

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from mtpkit.models.heads import (HEAD_CONFIG, ModelCard, check_backbone, check_finite, head_folder, read_head_config,
                                  read_weights, replacing, typed_settings, write_head_config)
+from mtpkit.models.arch import adapter_for
 from mtpkit.models.mtpc.model import MTPCConfig, MTPCModel
 
 METHOD = "mtpc"
@@ -60,7 +62,17 @@ def load_head(folder, backbone, trust_remote_code: bool = False, allow_other_bac
                          "mtpc:head=DIR,trust_remote_code=1) only if you trust this head")
     other = check_backbone(config, backbone, folder, allow_other_backbone)
     state = read_weights(Path(folder) / HEAD_WEIGHTS)
-    model = MTPCModel(backbone, settings)
+    V, d = adapter_for(backbone).head_weights().shape[1:]
+    want = (settings.n, settings.units, V, d)
+    if settings.arch != "cirkit" and tuple(state.get("head.unembed", torch.empty(0)).shape) != want:
+        # checked before the model is built: an edited n or r would allocate a head of another size
+        raise ValueError(f"{Path(folder) / HEAD_WEIGHTS}: head.unembed has shape "
+                         f"{tuple(state.get('head.unembed', torch.empty(0)).shape)}, the config (n, r) and the "
+                         f"backbone (vocabulary, width) need {want}")
+    try:
+        model = MTPCModel(backbone, settings)
+    except ValueError as e:
+        raise ValueError(f"{Path(folder) / HEAD_CONFIG}: {e}") from None
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shapes that do not fit (another backbone, an edited config)

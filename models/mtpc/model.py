@@ -21,6 +21,7 @@ x_{t+1..t+n}:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import nn
@@ -60,6 +61,14 @@ class MTPCConfig:
             raise ValueError(f"arch must be one of {ARCHS + ('cirkit',)}, got {self.arch!r}")
         if self.n < 2:
             raise ValueError(f"n must be >= 2, got {self.n}")
+        for name in ("r", "lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lora_layers < 0:
+            raise ValueError(f"lora_layers must be >= 0, got {self.lora_layers}")
+        if not (math.isfinite(self.init_std) and self.init_std >= 0 and math.isfinite(self.lora_alpha)):
+            raise ValueError(f"init_std must be finite and >= 0 and lora_alpha finite, got {self.init_std}, "
+                             f"{self.lora_alpha}")
         if self.arch != "cirkit":
             num_inner(self.arch, self.n)  # btree: a power of two
 

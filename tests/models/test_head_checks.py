@@ -142,7 +142,7 @@ def test_allow_other_backbone_runs_and_marks_the_row(gated_head, tmp_path, capsy
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("probe:tree=chain-5", "N >= 1"), ("probe:tree=chain", "N >= 1"), ("probe:bc=10,bc=20", "bc given twice"),
+    ("probe:tree=chain-5", "whole number 1 <= N"), ("probe:tree=chain", "whole number 1 <= N"), ("probe:bc=10,bc=20", "bc given twice"),
     ("probe:tree=[[0.5]]", "non-negative whole ranks"), ("probe:tree=[0]", "non-negative whole ranks"),
     ("probe:prune=2", "needs 0 or 1"), ("probe:lam=nan", "finite number"), ("probe:tree=[[-1]]", "non-negative"),
 ])
