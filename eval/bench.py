@@ -242,7 +242,7 @@ def check_writable(paths: dict[str, Path]) -> None:
         for path in paths.values():  # a folder, a device or a FIFO is refused before anything is made
             check_output_file(path, "--out")
     except DataError as e:
-        sys.exit(f"bench: {e}")
+        sys.exit(f"bench: --out {paths['json']}: cannot write there ({e})")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".bench-write-test-"):

@@ -111,9 +111,8 @@ def test_bad_options_are_clear(gated):
         GatedLoRADrafter(GatedLoRADraftConfig(drafts="beam"), model=gated)
     with pytest.raises(ValueError, match="head=DIR"):
         GatedLoRADrafter(GatedLoRADraftConfig())
-    d = GatedLoRADrafter(GatedLoRADraftConfig(k=5), model=gated)
-    with pytest.raises(ValueError, match="trained with k=3"):
-        d.begin(None, [1, 2])
+    with pytest.raises(ValueError, match="trained with k=3"):  # refused when built, before any decode
+        GatedLoRADrafter(GatedLoRADraftConfig(k=5), model=gated)
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Shared pieces of the fuzzing tests (issue 44): generated inputs fed to the real readers and
+"""Shared pieces of the fuzzing tests: generated inputs fed to the real readers and
 parsers either work or fail with a one-line error of mtpkit's own; never another exception type
 (a traceback), never a silent drop.
 

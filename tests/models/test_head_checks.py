@@ -1,4 +1,4 @@
-"""A head and its options are checked before anything runs (issue: nothing lost, nothing
+"""A head and its options are checked before anything runs (nothing lost, nothing
 mismatched): a method option out of range or beyond the head (k, tree ranks past the
 vocabulary), a head config with a value of the wrong type or a LoRA rank edited away from its
 adapter's, and a head loaded on a backbone other than its own are refused with one line, before

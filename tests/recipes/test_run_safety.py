@@ -1,4 +1,4 @@
-"""What keeps a run's files whole when something else goes wrong (issue 44): `--resume auto` steps
+"""What keeps a run's files whole when something else goes wrong: `--resume auto` steps
 past a corrupt newest checkpoint, two runs never share one output dir (a lock; the second is
 refused at once), a --dtype the device cannot train is refused before anything is written,
 export checks --results first and swaps its folder in whole, a misplaced YAML key says where it
@@ -16,24 +16,10 @@ import pytest
 import torch
 
 from mtpkit.train import checkpoints, export, gated_lora, mtpc
+# the same 8-record MTPC run on the tiny byte backbone as test_outputs.py: its `data` fixture and flags
+from test_outputs import data, tiny  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
-    path.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"Add {i} and 1."},
-                                                       {"role": "assistant", "content": f"{i + 1}. Done."}]})
-                              for i in range(8)) + "\n")
-    return path
-
-
-def tiny(data, out, *more):
-    """MTPC on the tiny byte backbone, a checkpoint every step."""
-    return ["--backbone", "tiny-byte-llama-random", "--max-length", "64", "--windows-per-sequence", "4",
-            "--arch", "cp", "-n", "4", "--rank", "3", "--eval-every", "0", "--data", str(data),
-            "--output-dir", str(out), "--save-every", "1", "--log-every", "1", *more]
 
 
 def losses(out: Path) -> dict[int, float]:
