@@ -161,14 +161,21 @@ def backbone_identity(model, name: str | None = None) -> dict:
             "config_hash": hashlib.sha256(json.dumps(arch, sort_keys=True).encode()).hexdigest()[:16]}
 
 
+def recorded_backbone(config: dict) -> dict:
+    """The `backbone_identity` a head config records; {} for a head written before heads recorded
+    it (or a config whose "backbone" is not an object)."""
+    recorded = config.get("backbone")
+    return recorded if isinstance(recorded, dict) else {}
+
+
 def check_backbone(config: dict, model, source, allow_other: bool = False) -> bool:
     """Refuse (ValueError, one line naming both) to load a head whose recorded backbone is not
     `model`: another architecture (config hash), or another name where both are known (the same
     architecture with other weights, e.g. a base and an instruct model). With `allow_other`, say so
     and go on. Returns True when the head sits on another backbone (a result to mark); a head
     written before heads recorded their backbone (no "backbone" key) is not checked."""
-    recorded = config.get("backbone")
-    if not isinstance(recorded, dict):
+    recorded = recorded_backbone(config)
+    if not recorded:
         return False
     here = backbone_identity(model)
     other_arch = recorded.get("config_hash") != here["config_hash"]

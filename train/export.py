@@ -33,7 +33,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from mtpkit.models.heads import HEAD_CONFIG, head_folder, read_head_config, read_weights, run_script
+from mtpkit.models.heads import HEAD_CONFIG, head_folder, read_head_config, read_json, read_weights, run_script
 from mtpkit.models.registry import METHODS, trained_method
 from mtpkit.train.checkpoints import latest_checkpoint
 
@@ -128,9 +128,11 @@ def read_results(path: str) -> dict:
     from mtpkit.eval.report import table_problem
 
     try:
-        results = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        results = read_json(path)
+    except OSError as e:
         sys.exit(f"export: --results {path}: {e}")
+    except ValueError as e:  # read_json's one line names the file
+        sys.exit(f"export: --results {e}")
     problem = table_problem(results)
     if problem:
         sys.exit(f"export: --results {path}: not a results.json of eval/bench.py ({problem})")

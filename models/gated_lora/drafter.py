@@ -41,6 +41,7 @@ from mtpkit.models.gated_lora.head import load_head, read_settings
 from mtpkit.models.gated_lora.inference import to_inference
 from mtpkit.models.gated_lora.model import GatedMTP
 from mtpkit.models.generate import target_probs
+from mtpkit.models.heads import recorded_backbone
 from mtpkit.models.trees import MaskTreeDrafting, MaskTreeOptions, check_ranks, mask_blocks
 
 DECODINGS = ("linear", "quadratic")
@@ -90,10 +91,10 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
         self.model = model
         self.setup_trees(config, "gated_lora")
         if model is not None:
-            self._check_sampler()
+            self._check_model()
         else:  # the head's settings checked now, before any model loads
             head_config, lora = read_settings(config.head)
-            self._check_head(lora.k, lora.sampler, head_config.get("backbone", {}).get("vocab_size"))
+            self._check_head(lora.k, lora.sampler, recorded_backbone(head_config).get("vocab_size"))
         # seeded once, not per prompt: every decode must draw fresh speculations (drafts repeated
         # across runs are not samples from q, and the acceptance rule would be biased)
         self.gen = torch.Generator().manual_seed(config.seed)
@@ -109,11 +110,12 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
                                  allow_other_backbone=self.config.allow_other_backbone)
                 shared[key] = to_inference(head).to(device)
             self.model = shared[key]
-        self._check_sampler()
+        self._check_model()
         self.model.eval()
         return self.model.peft.get_base_model(), self.model.gate
 
-    def _check_sampler(self) -> None:
+    def _check_model(self) -> None:
+        """`_check_head` against the loaded head and its backbone's vocabulary."""
         self._check_head(self.model.config.k, self.model.sampler is not None,
                          self.model.peft.get_base_model().get_output_embeddings().weight.shape[0])
 
@@ -134,10 +136,7 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
         return self.model.sampler is not None if self.config.sampler == -1 else bool(self.config.sampler)
 
     def begin(self, target, prompt_ids: list[int]) -> None:
-        trained = self.model.config.k
-        if not 0 <= self.config.k <= trained:
-            raise ValueError(f"gated_lora k={self.config.k}: the head was trained with k={trained}")
-        self.k = self.config.k or trained
+        self.k = self.config.k or self.model.config.k  # 0 <= k <= the head's: checked when built (_check_head)
         self.masks = self.model.mask_embeds.detach()[: self.k].to(self.model.embed.weight.dtype)
         self.sample = self.sampling and self.config.drafts == "sample"
         if self.sample and self.gen.device != target.device:  # draws run where the head does

@@ -79,6 +79,7 @@ from transformers import DynamicCache
 from mtpkit.models.mtpc.circuits import (CircuitParams, greedy_chain, mode, next_log_probs_posterior, sample,
                                     sample_states, sample_tokens)
 from mtpkit.models.drafter import Draft, Drafter, StepOutput
+from mtpkit.models.heads import recorded_backbone
 from mtpkit.models.mtpc.decode import LazyBTree, decode_window
 from mtpkit.models.mtpc.head import load_head, read_settings
 from mtpkit.models.mtpc.model import MTPCHead, MTPCModel
@@ -274,7 +275,7 @@ class MTPCDrafter(Drafter):
         self.config, self.model = config, model
         if model is None:  # the head's settings checked now, before any model loads
             head_config, settings = read_settings(config.head)
-            self._check_fits(settings.n, head_config.get("backbone", {}).get("vocab_size"))
+            self._check_fits(settings.n, recorded_backbone(head_config).get("vocab_size"))
         # seeded once, not per prompt: every decode must draw fresh windows (a window repeated
         # across runs is not a sample from q, and the acceptance rule would be biased)
         self.gen = torch.Generator().manual_seed(config.seed)
@@ -294,7 +295,7 @@ class MTPCDrafter(Drafter):
                 check_ranks(self.trees, vocab_size, f"mtpc tree={self.config.tree!r}")
 
     def _bind(self) -> None:
-        self._check_fits(self.model.cfg.n, self.model.backbone.get_output_embeddings().weight.shape[0])
+        self._check_fits(self.model.cfg.n, self.model.adapter.vocab_size)
         self.shared_layer = None if self.model.draft is None else self.model.draft.start
         self.model.eval()
 

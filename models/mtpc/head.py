@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
+from mtpkit.models.arch import adapter_for
 from mtpkit.models.heads import (HEAD_CONFIG, ModelCard, check_backbone, check_finite, head_folder, read_head_config,
                                  read_weights, replacing, typed_settings, write_head_config)
-from mtpkit.models.arch import adapter_for
 from mtpkit.models.mtpc.model import MTPCConfig, MTPCModel
 
 METHOD = "mtpc"
@@ -64,10 +63,10 @@ def load_head(folder, backbone, trust_remote_code: bool = False, allow_other_bac
     state = read_weights(Path(folder) / HEAD_WEIGHTS)
     V, d = adapter_for(backbone).head_weights().shape[1:]
     want = (settings.n, settings.units, V, d)
-    if settings.arch != "cirkit" and tuple(state.get("head.unembed", torch.empty(0)).shape) != want:
+    have = tuple(state["head.unembed"].shape) if "head.unembed" in state else None
+    if settings.arch != "cirkit" and have != want:
         # checked before the model is built: an edited n or r would allocate a head of another size
-        raise ValueError(f"{Path(folder) / HEAD_WEIGHTS}: head.unembed has shape "
-                         f"{tuple(state.get('head.unembed', torch.empty(0)).shape)}, the config (n, r) and the "
+        raise ValueError(f"{Path(folder) / HEAD_WEIGHTS}: head.unembed has shape {have}, the config (n, r) and the "
                          f"backbone (vocabulary, width) need {want}")
     try:
         model = MTPCModel(backbone, settings)
