@@ -49,13 +49,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
 import tempfile
 import time
-import typing
 from pathlib import Path
 
 import torch
@@ -66,93 +64,26 @@ from mtpkit.data.jsonl import check_output_file
 from mtpkit.eval.decoder import PREFETCH_ROWS, Target, decode
 from mtpkit.eval.report import (dtype_table, summarise, timing_warnings, write_markdown, write_plot,
                                write_tradeoff_plot)
+from mtpkit.eval.specs import MethodError, build_drafter, methods_help, parse_method
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)
 from mtpkit.models.drafter import StockAR
-from mtpkit.models.heads import field_docs, run_script, write_atomic
+from mtpkit.models.heads import run_script, write_atomic
 from mtpkit.models.kernel_plan import pack_targets
 from mtpkit.models.packed_linear import LINEARS, packable
 from mtpkit.models.registry import METHODS
 
 
-class MethodError(ValueError):
-    pass
-
-
-def parse_method(spec: str):
-    """`probe:bc=60,masks=2` -> (name, typed config). Clear errors for anything unknown. A comma
-    inside brackets belongs to its value (`tree=[[0],[1],[0,0]]`, a list of rank paths)."""
-    name, _, opts = spec.partition(":")
-    if name not in METHODS:
-        raise MethodError(f"unknown method {name!r} in --methods {spec!r}; known: {', '.join(METHODS)}")
-    cls = METHODS[name].options
-    fields = {f.name: f for f in option_fields(cls)}
-    values = {}
-    for item in filter(None, split_options(opts)):
-        key, eq, raw = item.partition("=")
-        if not eq or key not in fields:
-            valid = ", ".join(fields) or "none"
-            raise MethodError(f"--methods {spec!r}: bad option {item!r}; options of {name}: {valid}")
-        if key in values:
-            raise MethodError(f"--methods {spec!r}: option {key} given twice")
-        kind = typing.get_type_hints(cls)[key]
-        need = "0 or 1" if kind is bool else f"a {kind.__name__}"
-        if kind is bool and raw not in ("0", "1"):
-            raise MethodError(f"--methods {spec!r}: option {key} needs {need}, got {raw!r}")
-        try:
-            values[key] = raw == "1" if kind is bool else kind(raw)
-        except ValueError:
-            raise MethodError(f"--methods {spec!r}: option {key} needs {need}, got {raw!r}") from None
-        if kind is float and not math.isfinite(values[key]):
-            raise MethodError(f"--methods {spec!r}: option {key} needs a finite number, got {raw!r}")
-    try:
-        return name, cls(**values)
-    except (TypeError, ValueError) as e:
-        raise MethodError(f"--methods {spec!r}: {e}") from None
-
-
 def check_methods(args) -> None:
-    """Every --methods drafter built once from its options, before any model loads: its options
-    checked for range, against its head's files (its k, sampler, window, backbone's vocabulary)
-    and its tree files. Exits with one line naming the method on the first that fails."""
-    for spec, (name, cfg) in zip(args.methods, args.parsed):
-        if METHODS[name].drafter is not None:
-            try:
-                drafter = METHODS[name].drafter(cfg)
-            except (ValueError, FileNotFoundError) as e:
-                sys.exit(f"bench: --methods {spec}: {e}")
-            if getattr(drafter, "tree_log", None) is not None:
-                drafter.tree_log.close()
-
-
-def option_fields(cls) -> list[dataclasses.Field]:
-    """The fields of a method's options, its own (in declaration order) before those it inherits
-    (e.g. `mtpkit.models.trees.TreeOptions`)."""
-    own = list(vars(cls).get("__annotations__", {}))
-    return sorted(dataclasses.fields(cls), key=lambda f: (0, own.index(f.name)) if f.name in own else (1, 0))
-
-
-def split_options(opts: str) -> list[str]:
-    """`a=1,tree=[[0],[1]]` -> ["a=1", "tree=[[0],[1]]"]: split on the commas outside brackets."""
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(opts):
-        depth += (ch == "[") - (ch == "]")
-        if ch == "," and depth == 0:
-            items.append(opts[start:i])
-            start = i + 1
-    return items + [opts[start:]]
-
-
-def methods_help() -> str:
-    """Every method of the registry with its options, defaults and their docstrings."""
-    lines = ["methods:"]
-    for method in METHODS.values():
-        lines.append(f"  {method.name:<12} {method.summary}")
-        docs = field_docs(method.options)
-        for f in option_fields(method.options):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"      {f.name}={default!r}: {docs.get(f.name, '')}")
-    return "\n".join(lines)
+    """Every --methods drafter built once (`build_drafter`), before any model loads. Exits with
+    one line naming the method on the first that fails."""
+    for spec in args.methods:
+        try:
+            drafter = build_drafter(spec)
+        except (ValueError, FileNotFoundError) as e:
+            sys.exit(f"bench: --methods {spec}: {e}")
+        if getattr(drafter, "tree_log", None) is not None:
+            drafter.tree_log.close()
 
 
 def parse_args(argv=None) -> argparse.Namespace:

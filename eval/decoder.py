@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -105,14 +106,17 @@ def rollback_cache(cache: DynamicCache, keep: int, accepted: list[int] | torch.T
 @torch.no_grad()
 def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int,
            temperature: float = 0.0, top_p: float = 1.0, eos_token_ids=(),
-           generator: torch.Generator | None = None) -> DecodeResult:
+           generator: torch.Generator | None = None,
+           on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` with `drafter` proposing.
 
     Two paths, one result: with `target.cpu_paths` (a CPU) the LM head runs lazily on the rows
     acceptance and the drafter read, and greedy acceptance reads one argmax per visited node; on
     a GPU every row goes through the LM head in one call and greedy acceptance is ONE host read
     per step (the argmax of every row with the draft tokens), so the device never waits on the
-    host in between (tests/eval/test_host_syncs.py counts the reads)."""
+    host in between (tests/eval/test_host_syncs.py counts the reads). `on_tokens`, when given,
+    gets each step's accepted tokens as the step ends (what `result.tokens` gains: cut at an EOS
+    and at `max_new_tokens`), for streaming."""
     started = time.perf_counter()
     eos = set(eos_token_ids)
     cache = DynamicCache(config=target.config)
@@ -220,12 +224,16 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
             result.accept_counts[depth] += 1
         drafter.observe(StepOutput(accepted=accepted, last_node=last, new_tokens=new, hidden=hidden,
                                    logits=logits, context_len=c, shared_hidden=shared, choices=choices))
+        sent = len(result.tokens)  # what on_tokens has had
         tokens += new
         result.tokens += new
         context = next_context
         hit = next((i for i, t in enumerate(new) if t in eos), None)
         if hit is not None:
             result.tokens = result.tokens[: len(result.tokens) - len(new) + hit + 1]
+        if on_tokens is not None:
+            on_tokens(result.tokens[sent:max_new_tokens])
+        if hit is not None:
             break
     result.tokens = result.tokens[:max_new_tokens]
     result.seconds = time.perf_counter() - started

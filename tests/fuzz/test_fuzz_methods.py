@@ -1,4 +1,4 @@
-"""Fuzzing `--methods` specs through `mtpkit.eval.bench.parse_method`: the registry's method names
+"""Fuzzing `--methods` specs through `mtpkit.eval.specs.parse_method`: the registry's method names
 and option fields with garbage values (negative, huge, non-numeric, empty, repeated and unknown
 keys, bad brackets in tree=[...]). Each spec parses or is a one-line MethodError / ValueError."""
 
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fuzzing import HUGE, TEXT, fuzz, one_line
-from mtpkit.eval.bench import MethodError, option_fields, parse_method
+from mtpkit.eval.specs import MethodError, option_fields, parse_method
 from mtpkit.models.registry import METHODS
 
 
