@@ -61,13 +61,13 @@ from tqdm import tqdm
 
 from mtpkit.data.chat import DataError, load_examples, prompt_ids
 from mtpkit.data.jsonl import check_output_file
-from mtpkit.eval.decoder import PREFETCH_ROWS, Target, decode
+from mtpkit.models.decoding.decoder import PREFETCH_ROWS, Target, decode
 from mtpkit.eval.report import (dtype_table, summarise, timing_warnings, write_markdown, write_plot,
                                write_tradeoff_plot)
 from mtpkit.eval.specs import MethodError, build_drafter, methods_help, parse_method
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)
-from mtpkit.models.drafter import StockAR
+from mtpkit.models.decoding.drafter import StockAR
 from mtpkit.models.heads import run_script, write_atomic
 from mtpkit.models.kernel_plan import pack_targets
 from mtpkit.models.packed_linear import LINEARS, packable

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from mtpkit.data.chat import generation_prompt_ids, to_messages
-from mtpkit.eval.decoder import DecodeResult, Target, decode
+from mtpkit.models.decoding.decoder import DecodeResult, Target, decode
 from mtpkit.eval.specs import build_drafter
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, BackboneError, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)

@@ -111,10 +111,10 @@ from tqdm import tqdm
 from mtpkit.data.chat import IGNORE
 from mtpkit.data.mtp import collate_cached, mask_inputs
 from mtpkit.eval.bench import load_prompts
-from mtpkit.eval.decoder import Target, decode
-from mtpkit.eval.verify import attention_inputs
+from mtpkit.models.decoding.decoder import Target, decode
+from mtpkit.models.decoding.verify import attention_inputs
 from mtpkit.models.backbone import DEFAULT_BACKBONE, add_device_args, eos_token_ids, load_backbone
-from mtpkit.models.drafter import Drafter
+from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.gated_lora.head import load_head
 from mtpkit.models.heads import run_script, write_atomic
 from mtpkit.models.kernel_plan import pack_targets
@@ -544,7 +544,7 @@ def step_costs(target: Target, topologies: list[Topology], k: int, prompt_len: i
     with each forward read off the cost curve (`cost_curve`) when `curve`, else the medians."""
     from transformers import DynamicCache
 
-    from mtpkit.models.drafter import StepOutput
+    from mtpkit.models.decoding.drafter import StepOutput
 
     vocab, d = target.embed.weight.shape
     clock = device_clock(target.device)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtpkit.models.drafter import Draft, Drafter
+from mtpkit.models.decoding.drafter import Draft, Drafter
 from mtpkit.models.heads import Method
 
 

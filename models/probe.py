@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtpkit.models.drafter import Draft, Drafter, StepOutput
+from mtpkit.models.decoding.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.heads import Method
 from mtpkit.models.trees import MaskTreeDrafting, MaskTreeOptions, check_ranks
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mtpkit.models import gated_lora, mtpc, pld, probe
-from mtpkit.models.drafter import Drafter, StockAR
+from mtpkit.models.decoding.drafter import Drafter, StockAR
 from mtpkit.models.heads import Method
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from mtpkit.models.drafter import Draft, StepOutput
+from mtpkit.models.decoding.drafter import Draft, StepOutput
 
 
 @lru_cache(maxsize=512)

@@ -44,9 +44,9 @@ def test_imports_follow_the_package_direction(package):
 
 def test_the_check_sees_a_wrong_import(tmp_path):
     bad = tmp_path / "wrong.py"
-    bad.write_text("import torch\n\ndef f():\n    from mtpkit.train.engine import x\n    import mtpkit.eval.decoder\n")
+    bad.write_text("import torch\n\ndef f():\n    from mtpkit.train.engine import x\n    import mtpkit.eval.bench\n")
     ok = tmp_path / "ok.py"
-    ok.write_text("from mtpkit.models.drafter import Drafter\nfrom mtpkit import models\n")
+    ok.write_text("from mtpkit.models.decoding.drafter import Drafter\nfrom mtpkit import models\n")
     assert len(violations("models", [bad])) == 2
     assert len(violations("data", [bad])) == 2
     assert violations("data", [ok]) == []

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from mtpkit.data.chat import IGNORE, DataError, load_examples, prompt_ids, tokenize_chat
 from mtpkit.data.mtp import choose_anchors, collate_cached, collate_mask_inputs, mask_inputs
-from mtpkit.eval.decoder import Target, decode
+from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.eval.report import write_training_plot
 from mtpkit.models.backbone import DEFAULT_BACKBONE, DTYPES, eos_token_ids, load_backbone
 from mtpkit.models.gated_lora.drafter import DECODINGS, GatedLoRADraftConfig, GatedLoRADrafter

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtpkit.models.drafter import Draft, Drafter, StepOutput
+from mtpkit.models.decoding.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.gated_lora.head import load_head, read_settings
 from mtpkit.models.gated_lora.inference import to_inference
 from mtpkit.models.gated_lora.model import GatedMTP

@@ -78,7 +78,7 @@ from transformers import DynamicCache
 
 from mtpkit.models.mtpc.circuits import (CircuitParams, greedy_chain, mode, next_log_probs_posterior, sample,
                                     sample_states, sample_tokens)
-from mtpkit.models.drafter import Draft, Drafter, StepOutput
+from mtpkit.models.decoding.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.heads import recorded_backbone
 from mtpkit.models.mtpc.decode import LazyBTree, decode_window
 from mtpkit.models.mtpc.head import load_head, read_settings

@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-import mtpkit.eval.decoder as decoder_module
+import mtpkit.models.decoding.decoder as decoder_module
 from chisquare import chi2_pvalue, reference_probs
 from mtpkit.data.chat import load_examples, prompt_ids
-from mtpkit.eval.decoder import Target, decode, rollback_cache
+from mtpkit.models.decoding.decoder import Target, decode, rollback_cache
 from mtpkit.models.generate import generate
-from mtpkit.eval.verify import attention_inputs
-from mtpkit.models.drafter import Draft, Drafter
+from mtpkit.models.decoding.verify import attention_inputs
+from mtpkit.models.decoding.drafter import Draft, Drafter
 from mtpkit.models.pld import PLDConfig, PLDDrafter
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
 

@@ -9,8 +9,8 @@ import torch
 
 import mtpkit.eval.bench as bench
 import mtpkit.eval.bench_generate as bench_generate
-from mtpkit.eval.decoder import Target, decode
-from mtpkit.models.drafter import Draft, Drafter
+from mtpkit.models.decoding.decoder import Target, decode
+from mtpkit.models.decoding.drafter import Draft, Drafter
 from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
 from mtpkit.models.packed_linear import cpu_paths, packable

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from chisquare import chi2_pvalue, reference_probs
-from mtpkit.eval.decoder import Target, decode
+from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.gated_lora import to_inference
 from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
 from tests.models.test_gated_lora import make_gated

@@ -12,8 +12,8 @@ import torch
 
 from chisquare import chi2_pvalue
 from mtpkit.eval import tree_frontier as tf
-from mtpkit.eval.decoder import Target, decode
-from mtpkit.models.drafter import Drafter
+from mtpkit.models.decoding.decoder import Target, decode
+from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.trees import Schedule, Topology, TopologyBank, load_bank, parse_paths, tree_layout
 from tests.eval.test_gated_sampling import PROMPT, close_head, exact_joint, sampled_joint, small  # noqa: F401

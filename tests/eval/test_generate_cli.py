@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mtpkit.eval import generate as gen
-from mtpkit.eval.decoder import Target, decode
+from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.backbone import eos_token_ids
-from mtpkit.models.drafter import Draft, Drafter
+from mtpkit.models.decoding.drafter import Draft, Drafter
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP, save_head
 from mtpkit.models.generate import generate as plain_ar
 

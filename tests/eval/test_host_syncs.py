@@ -22,8 +22,8 @@ import contextlib
 import pytest
 import torch
 
-from mtpkit.eval.decoder import Target, decode
-from mtpkit.models.drafter import Drafter
+from mtpkit.models.decoding.decoder import Target, decode
+from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter

@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from chisquare import chi2_pvalue
-from mtpkit.eval.decoder import Target, decode
-from mtpkit.models.drafter import Drafter
+from mtpkit.models.decoding.decoder import Target, decode
+from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
 

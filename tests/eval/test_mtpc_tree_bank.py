@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from mtpkit.eval.decoder import Target, decode
-from mtpkit.models.drafter import Drafter
+from mtpkit.models.decoding.decoder import Target, decode
+from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
 from mtpkit.models.mtpc.model import MTPCConfig, MTPCModel, window_loss, window_targets
 from mtpkit.models.trees import Schedule, Topology

@@ -12,8 +12,8 @@ import torch
 
 from chisquare import chi2_pvalue
 from mtpkit.eval.bench import parse_method
-from mtpkit.eval.decoder import Target, decode
-from mtpkit.models.drafter import Drafter
+from mtpkit.models.decoding.decoder import Target, decode
+from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.mtpc.circuits import next_log_probs
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter, load_tree
 from tests.eval.test_host_syncs import BOUNDS, device_target, reads_per_step

@@ -10,8 +10,8 @@ import pytest
 
 from chisquare import chi2_pvalue
 from mtpkit.eval import tree_frontier as tf
-from mtpkit.eval.decoder import Target, decode
-from mtpkit.models.drafter import Drafter
+from mtpkit.models.decoding.decoder import Target, decode
+from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
 from mtpkit.models.trees import Schedule, Topology
 from tests.eval.test_gated_sampling import exact_joint, sampled_joint, small  # noqa: F401

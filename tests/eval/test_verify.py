@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chisquare import chi2_pvalue
-from mtpkit.eval.verify import attention_inputs, verify_greedy, verify_sampling
+from mtpkit.models.decoding.verify import attention_inputs, verify_greedy, verify_sampling
 from mtpkit.models.trees import children_of, tree_layout
 
 PARENT_LISTS = {

@@ -19,9 +19,9 @@ from torch import nn
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from mtpkit.eval.decoder import Target, decode
+from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.arch import EvaByteArch, LlamaArch, adapter_for
-from mtpkit.models.drafter import Drafter
+from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel, window_loss, window_targets
 from mtpkit.models.mtpc.circuits import log_prob
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from mtpkit.eval.decoder import Target, decode
-from mtpkit.models.drafter import Drafter
+from mtpkit.models.decoding.decoder import Target, decode
+from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig
 from mtpkit.models.gated_lora import GatedLoRALinear, load_head, save_head, to_inference
 from mtpkit.models.packed_linear import PackedGroup, pack_rows, packed_forward, PackedLinear, fuse_siblings, onednn_available, pack_linears, packable_dtypes

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mtpkit.eval import bench
-from mtpkit.models.drafter import Drafter
+from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.heads import Method
 from mtpkit.models.registry import METHODS, NoOptions, trained_method
 

@@ -143,8 +143,8 @@ def test_missing_byte_lm_says_how_to_train_it(tmp_path, monkeypatch):
 def test_a_cirkit_circuit_head_trains_exports_and_decodes(data, tmp_path):
     """--arch cirkit --circuit linear-tree: a cirkit-built structure through the same training,
     export and decoder (greedy output equal to AR)."""
-    from mtpkit.eval.decoder import Target, decode
-    from mtpkit.models.drafter import Drafter
+    from mtpkit.models.decoding.decoder import Target, decode
+    from mtpkit.models.decoding.drafter import Drafter
     from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
 
     result = mtpc.main([*TINY, "--data", str(data), "--output-dir", str(tmp_path / "run"), "--arch", "cirkit",

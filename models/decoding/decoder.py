@@ -3,7 +3,7 @@
 Each step is ONE target forward over [context..., draft nodes..., extra nodes...] with a 4D
 tree mask and explicit position ids on a KV cache; the context is the whole prompt at the
 first step (prefill) and the last accepted token (the root) after that. Acceptance is greedy
-or speculative sampling (`mtpkit.eval.verify`); the cache is then rolled back to the accepted
+or speculative sampling (`mtpkit.models.decoding.verify`); the cache is then rolled back to the accepted
 path. The LM head runs only on the rows that acceptance and the drafter actually read, one
 call per request, each row once per step; on a packed LM head (`pack_linears`: a few rows cost
 about one) every row of a step of at most `PREFETCH_ROWS` rows is computed in the step's first
@@ -22,8 +22,8 @@ from transformers import DynamicCache
 
 from mtpkit.models.arch import adapter_for
 from mtpkit.models.generate import target_probs
-from mtpkit.eval.verify import attention_inputs, verify_greedy, verify_sampling, walk_greedy
-from mtpkit.models.drafter import Drafter, StepOutput
+from mtpkit.models.decoding.verify import attention_inputs, verify_greedy, verify_sampling, walk_greedy
+from mtpkit.models.decoding.drafter import Drafter, StepOutput
 from mtpkit.models.trees import children_of
 from mtpkit.models.packed_linear import PackedLinear, cpu_paths
 

@@ -1,6 +1,6 @@
 """The drafter interface shared by every speculative method.
 
-A drafter proposes; the verifier (`mtpkit.eval.decoder`) runs the target, accepts and owns the
+A drafter proposes; the verifier (`mtpkit.models.decoding.decoder`) runs the target, accepts and owns the
 KV cache. Each step the verifier feeds ONE target forward over
 
     [root (last accepted token), draft nodes..., extra nodes...]
@@ -128,7 +128,7 @@ class Drafter:
         return False
 
     def begin(self, target, prompt_ids: list[int]) -> None:
-        """Reset per-prompt state. `target` is the `mtpkit.eval.decoder.Target` being decoded."""
+        """Reset per-prompt state. `target` is the `mtpkit.models.decoding.decoder.Target` being decoded."""
 
     def propose(self, tokens: list[int]) -> Draft:
         """Draft for the next step; `tokens` is the whole sequence so far, root last."""
