@@ -42,7 +42,8 @@ from mtpkit.data.jsonl import check_output_file, read_jsonl
 from mtpkit.models.generate import generate
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, BackboneError, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)
-from mtpkit.models.heads import run_script, write_atomic
+from mtpkit.models.atomic_write import write_atomic
+from mtpkit.models.process import run_script
 
 POLL_S = 0.25
 """how often rank 0 looks for the other ranks' `.done` files"""

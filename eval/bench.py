@@ -59,16 +59,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mtpkit.data.chat import DataError, load_examples, prompt_ids
+from mtpkit.data.chat import DataError
+from mtpkit.data.eval_prompts import add_prompt_args, load_prompts
 from mtpkit.data.jsonl import check_output_file
-from mtpkit.models.decoding.decoder import PREFETCH_ROWS, Target, decode
-from mtpkit.eval.report import (dtype_table, summarise, timing_warnings, write_markdown, write_plot,
-                               write_tradeoff_plot)
+from mtpkit.models.decoding.decoder import Target, decode
+from mtpkit.eval.report import (dtype_table, summarise, timing_warnings, verdict_lines, write_markdown,
+                               write_plot, write_tradeoff_plot)
 from mtpkit.eval.specs import MethodError, build_drafter, methods_help, parse_method
+from mtpkit.eval.step_rows import rows_forward_ms
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)
 from mtpkit.models.decoding.drafter import StockAR
-from mtpkit.models.heads import run_script, write_atomic
+from mtpkit.models.generate import hf_static_compiled
+from mtpkit.models.atomic_write import write_atomic
+from mtpkit.models.process import run_script
 from mtpkit.models.kernel_plan import pack_targets
 from mtpkit.models.packed_linear import LINEARS, packable
 from mtpkit.models.registry import METHODS
@@ -91,47 +95,48 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backbone", default=DEFAULT_BACKBONE,
                    help="target model: a known name, local HF folder or Hub id (default: %(default)s)")
-    p.add_argument("--data", nargs="+", default=["builtin"],
-                   help="one or more prompt files (.jsonl/.json/.jsonl.gz in any chat format: Spec-Bench "
-                        "`turns`+`category`, HumanEval `prompt`, GSM8K `question`, chat records) or `builtin`; "
-                        "a record without `category` is filed under its file's name (default: %(default)s)")
-    p.add_argument("--limit", type=int, default=None, help="first N prompts of EACH --data file")
-    p.add_argument("--per-category", type=int, default=None,
-                   help="then keep at most N prompts of each category (a balanced subset)")
+    add_prompt_args(p, "every category gets its own row in the tables", default=["builtin"])
     p.add_argument("--methods", nargs="+", default=["ar", "pld", "probe"],
-                   help="methods to compare, each `name` or `name:key=value,...` (see above)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default: %(default)s)")
+                   help="methods to compare, each `name` or `name:key=value,...` (see below; ar and hf_ar always "
+                        "run)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens generated per prompt: about the reply length you serve (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy (outputs checked against ar); > 0 = speculative sampling (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i (default: %(default)s)")
+                   help="0 = greedy (outputs checked against ar); > 0 = speculative sampling at this temperature, "
+                        "to measure the sampled serving you run (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus mass when sampling, as you serve (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed; prompt i uses seed + i: another seed, another draw (default: %(default)s)")
     add_device_args(p)  # --device, --dtype (the target's; greedy outputs are checked against AR in that dtype)
     p.add_argument("--compare-dtypes", nargs="+", default=None, metavar="DTYPE",
                    help="run every method on a target in each of these dtypes (e.g. float32 bfloat16), all "
-                        "interleaved in one run; each dtype's speed-ups and AR check are against its own AR, and "
-                        "results.json holds every dtype's results plus a comparison table (overrides --dtype)")
+                        "interleaved in one run, to choose the dtype you serve in; each dtype's speed-ups and AR "
+                        "check are against its own AR, and results.json holds every dtype's results plus a "
+                        "comparison table (overrides --dtype)")
     p.add_argument("--out", default="runs/bench/results.json",
                    help="results JSON (must end in .json); NAME.md, NAME.png and NAME_tradeoff.png are written "
                         "beside it (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every prompt x method this many times (order rotated per round); timings are "
-                        "medians over the rounds with their min-max spread, and need >= 2 rounds for a spread "
-                        "(default: %(default)s)")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow custom model code")
+                        "medians over the rounds with their min-max spread, and need >= 2 rounds for a spread: "
+                        "use 3 for numbers you publish (default: %(default)s)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow custom model code: for a backbone whose Hub repo ships its own (e.g. EvaByte)")
     p.add_argument("--linear", choices=LINEARS, default="auto",
                    help="the target's linear layers, for every method alike: auto = on a CPU per row count the "
                         "kernel measured fastest on this machine (stock / fused F.linear / oneDNN; cached per "
                         "machine, model and dtype), on a GPU fused F.linear products (q/k/v and gate/up as one, "
                         "a gated adapter's A rows with them), onednn = oneDNN's prepacked kernel for every row "
-                        "count on a CPU (row-invariant), stock = torch's layers untouched (default: %(default)s)")
+                        "count on a CPU (row-invariant), stock = torch's layers untouched: keep auto unless you "
+                        "compare kernels (default: %(default)s)")
+    p.add_argument("--floor", default=None, metavar="DEVICE_JSON",
+                   help="a device probe's results (eval/device_probe.py --out) on this machine: each method's "
+                        "decoding step is also given in multiples of the step floor it measured (x floor); use it "
+                        "to see how far the runtime is from what the hardware allows")
     p.add_argument("--retune", action="store_true",
-                   help="with --linear auto: measure the kernel plan again (and cache it) even if one is cached")
-    p.add_argument("--fuse", type=int, choices=(0, 1), default=1,
-                   help="on packed targets, compute each layer's q/k/v and gate/up projections as one product "
-                        "(every method alike, AR included; a 1-row forward costs the same) (default: %(default)s)")
-    p.add_argument("--prefetch-rows", type=int, default=None,
-                   help="steps of up to this many rows get the logits of every row in one LM-head call; "
-                        f"larger steps compute rows on demand (default: {PREFETCH_ROWS} on a packed LM head, else 0)")
+                   help="with --linear auto: measure the kernel plan again (and cache it) even if one is cached, "
+                        "e.g. after the machine's load or software changed")
     args = p.parse_args(argv)
     try:
         args.parsed = [parse_method(s) for s in args.methods]
@@ -153,6 +158,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--max-new-tokens must be >= 1, --temperature >= 0 and --top-p in (0, 1]")
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.floor is not None:
+        try:
+            args.floor_ms = float(json.loads(Path(args.floor).read_text())["floor_ms"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"--floor {args.floor}: not a device probe's results ({type(e).__name__}: {e})")
     if Path(args.out).suffix != ".json":
         p.error(f"--out must end in .json (the .md and .png files are written beside it), got {args.out!r}")
     return args
@@ -182,44 +192,14 @@ def check_writable(paths: dict[str, Path]) -> None:
         sys.exit(f"bench: --out {paths['json']}: cannot write there ({e})")
 
 
-def load_prompts(sources: list[str], limit: int | None, per_category: int | None, tokenizer,
-                 max_prompt_len: int | None = None) -> list[dict]:
-    """Prompts of every source; those longer than `max_prompt_len` tokens are skipped, with a
-    warning per source."""
-    prompts = []
-    for source in sources:
-        examples, report = load_examples(source, limit=limit)
-        if report.skipped:
-            print(f"[bench] {report.summary()}", file=sys.stderr)
-        default = "builtin" if source == "builtin" else Path(source).name.split(".")[0]
-        too_long = []
-        for ex in examples:
-            category = ex.category if ex.category != "default" else default
-            ids = prompt_ids(tokenizer, ex.messages)
-            if max_prompt_len is not None and len(ids) > max_prompt_len:
-                too_long.append(len(ids))
-                continue
-            prompts.append({"id": f"{default}/{ex.id}", "category": category, "ids": ids})
-        if too_long:
-            print(f"[bench] warning: {len(too_long)} of {len(examples)} prompts of {source} are longer than the model's "
-                  f"context leaves room for ({max_prompt_len} tokens = max_position_embeddings - --max-new-tokens; "
-                  f"longest {max(too_long)}): skipped", file=sys.stderr)
-    if per_category is not None:
-        kept, seen = [], {}
-        for p in prompts:
-            seen[p["category"]] = seen.get(p["category"], 0) + 1
-            if seen[p["category"]] <= per_category:
-                kept.append(p)
-        prompts = kept
-    return prompts
-
-
 def run_hf(model, tokenizer, name, cfg, ids, args, eos) -> dict:
     kwargs = dict(max_new_tokens=args.max_new_tokens, eos_token_id=sorted(eos), pad_token_id=tokenizer.pad_token_id,
                   do_sample=args.temperature > 0, **METHODS[name].generate_kwargs(cfg))
     if args.temperature > 0:
         kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=0)
     device = model.get_input_embeddings().weight.device
+    if getattr(cfg, "compile", False):
+        kwargs.update(hf_static_compiled(device))
     started = time.perf_counter()
     with torch.no_grad():
         out = model.generate(torch.tensor([ids], device=device),
@@ -243,6 +223,7 @@ class Setup:
     targets: dict
     hf_model: torch.nn.Module
     kernels: dict | None
+    compile_s: dict = dataclasses.field(default_factory=dict)  # spec -> seconds of its first (compiling) call
 
 
 def build(args, device: torch.device, dtype: torch.dtype) -> Setup:
@@ -271,8 +252,8 @@ def build(args, device: torch.device, dtype: torch.dtype) -> Setup:
     hf_model = next((a[0] for spec, a in adapted.items() if isinstance(drafters[spec], StockAR)), model)
     distinct = {id(model): model, **{id(a[0]): a[0] for a in adapted.values()}}
     to_pack = [m for m in distinct.values() if id(m) not in stock]
-    kernels = pack_targets(model, [m for m in to_pack if m is not model], args.linear, bool(args.fuse), args.retune)
-    targets = {spec: Target(*a, prefetch_rows=args.prefetch_rows) for spec, a in adapted.items()}
+    kernels = pack_targets(model, [m for m in to_pack if m is not model], args.linear, retune=args.retune)
+    targets = {spec: Target(*a) for spec, a in adapted.items()}
     return Setup(dtype, model, tokenizer, eos_token_ids(model, tokenizer), drafters, targets, hf_model, kernels)
 
 
@@ -283,6 +264,10 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
     for setup in setups.values():
         for spec in setup.drafters:  # warm-up: first calls pay one-off costs
             decode(setup.targets[spec], setup.drafters[spec], prompts[0]["ids"], 8)
+        for spec, (name, cfg) in zip(args.methods, args.parsed):  # a compiling baseline: its compile, timed apart
+            if METHODS[name].drafter is None and getattr(cfg, "compile", False):
+                setup.compile_s[spec] = run_hf(setup.hf_model, setup.tokenizer, name, cfg, prompts[0]["ids"], args,
+                                               setup.eos)["seconds"]
     rounds, loads = {d: [] for d in setups}, []
     bar = tqdm(total=args.rounds * len(prompts) * len(pairs), desc="bench", unit="run")
     for r in range(args.rounds):
@@ -308,6 +293,23 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
     return rounds, loads
 
 
+def step_floors(results: dict, setup: Setup, prompts: list[dict], args) -> None:
+    """Each method's decoding step against its floors: `x_rows` = its mean step over a plain forward
+    of as many rows on its target's kernels (`mtpkit.eval.step_rows`: the rest is the loop's
+    overhead), `x_floor` = over the device probe's step floor (--floor); `compile_s` of a
+    compiling baseline."""
+    cache_len = round(statistics.mean(len(p["ids"]) for p in prompts)) + args.max_new_tokens // 2
+    for spec, r in results["methods"].items():
+        if spec in setup.compile_s:
+            r["compile_s"] = round(setup.compile_s[spec], 2)
+        if r.get("decode_step_ms") is None:
+            continue
+        r["rows_ms"] = round(rows_forward_ms(setup.targets[spec], max(1, round(r["decode_rows"])), cache_len), 3)
+        r["x_rows"] = round(r["decode_step_ms"] / r["rows_ms"], 4)
+        if getattr(args, "floor_ms", None):
+            r["x_floor"] = round(r["decode_step_ms"] / args.floor_ms, 4)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     paths = output_paths(args.out)
@@ -326,8 +328,7 @@ def main(argv=None) -> dict:
     # the prompts and the context check need only the first target's tokenizer and config
     context = getattr(first.model.config, "max_position_embeddings", None)
     try:
-        prompts = load_prompts(args.data, args.limit, args.per_category, first.tokenizer,
-                               None if context is None else context - args.max_new_tokens)
+        prompts = load_prompts(args, first.tokenizer, None if context is None else context - args.max_new_tokens)
     except DataError as e:
         sys.exit(f"bench: {e}")
     if not prompts:
@@ -343,6 +344,7 @@ def main(argv=None) -> dict:
         for spec, drafter in setup.drafters.items():  # a head let onto another backbone: marked, warned
             if getattr(getattr(drafter, "model", None), "other_backbone", False):
                 results["methods"][spec]["other_backbone"] = True
+        step_floors(results, setup, prompts, args)
         results["warnings"] = timing_warnings(results)[0]
         results["config"] = {k: v for k, v in vars(args).items() if k != "parsed"}
         results["config"].update(device=str(device), dtype=name)  # what auto resolved to
@@ -360,6 +362,7 @@ def main(argv=None) -> dict:
         write_plot(results, paths["png"])
         write_tradeoff_plot(results, paths["tradeoff"])
         print(table)  # WARNING lines above it, if any
+        print("\n".join(verdict_lines(results)))
         print(f"[bench] wrote {paths['json']}, {paths['md']}, {paths['png']}")
         return results
     comparison = dtype_table(by_dtype)

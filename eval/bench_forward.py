@@ -42,7 +42,8 @@ import torch
 from tqdm import tqdm
 
 from mtpkit.models.backbone import DEFAULT_BACKBONE, DEVICE_CHOICES, load_backbone, resolve_device
-from mtpkit.models.heads import run_script, write_atomic
+from mtpkit.models.atomic_write import write_atomic
+from mtpkit.models.process import run_script
 from mtpkit.models.kernel_plan import CACHE_LEN, gated_rows, plan_table, tune
 from mtpkit.models.packed_linear import cpu_paths, pack_linears
 

@@ -23,7 +23,7 @@ import torch
 from mtpkit.data.chat import load_examples, prompt_ids
 from mtpkit.models.generate import generate
 from mtpkit.models.backbone import DEFAULT_BACKBONE, add_device_args, load_backbone, resolve_device, resolve_dtype
-from mtpkit.models.heads import run_script
+from mtpkit.models.process import run_script
 
 
 def parse_args(argv=None) -> argparse.Namespace:

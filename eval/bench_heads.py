@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from mtpkit.models.heads import run_script, write_atomic
+from mtpkit.models.atomic_write import write_atomic
+from mtpkit.models.process import run_script
 from mtpkit.models.mtpc.circuit_cirkit import CirkitCircuit
 from mtpkit.models.mtpc.circuits import ARCHS, CircuitParams, log_prob, num_inner, prefix_log_probs, sample
 

@@ -41,7 +41,8 @@ from mtpkit.data.chat import IGNORE, load_examples, tokenize_chat
 from mtpkit.data.mtp import choose_anchors, collate_cached, collate_mask_inputs, mask_inputs
 from mtpkit.models.backbone import DEFAULT_BACKBONE, load_backbone
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP
-from mtpkit.models.heads import run_script, write_atomic
+from mtpkit.models.atomic_write import write_atomic
+from mtpkit.models.process import run_script
 
 PRECISIONS = {"fp32": (torch.float32, False), "bf16-autocast": (torch.float32, True), "bf16": (torch.bfloat16, False)}
 """name -> (weight dtype of the frozen backbone, bfloat16 autocast of the forward)"""

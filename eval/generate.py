@@ -37,7 +37,8 @@ from mtpkit.models.decoding.decoder import DecodeResult, Target, decode
 from mtpkit.eval.specs import build_drafter
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, BackboneError, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)
-from mtpkit.models.heads import head_folder, read_head_config, run_script
+from mtpkit.models.head_folder import head_folder, read_head_config
+from mtpkit.models.process import run_script
 from mtpkit.models.kernel_plan import pack_targets
 from mtpkit.models.packed_linear import LINEARS
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mtpkit.data.jsonl import read_jsonl
-from mtpkit.models.heads import write_atomic
+from mtpkit.models.atomic_write import write_atomic
 
 TIE_TOLERANCE = 1e-4  # top-2 target logits closer than this: a genuine floating-point near-tie
 # (max - min) / median of a speed-up over the rounds above this: the ratio is machine noise
@@ -36,7 +36,7 @@ BASELINES = ("ar", "ar_stock", "hf_ar")
 BUSY_MARGIN = 0.5
 # per-round timings reported as their median over the rounds
 TIMING = ("seconds", "tokens_per_s", "mean_step_ms", "target_ms_per_call", "decoder_overhead_share", "mu_lat",
-          "max_tokens_per_s")
+          "max_tokens_per_s", "decode_step_ms")
 MARK = "!"  # appended to every printed ratio that a warning applies to
 
 
@@ -84,6 +84,12 @@ def _aggregate(runs: list[dict], ar_runs: list[dict], mismatches: list[dict] | N
                    # and the throughput if every drafted token were accepted at the same latency
                    mu_lat=round(seconds / calls, 5), mu_acc=round(sum(accept) / calls, 4),
                    max_tokens_per_s=round(sum(r["draft_nodes"] for r in runs) / seconds, 2))
+        decode_calls = calls - sum(r.get("prefill_tokens", 0) > 0 for r in runs)
+        if "prefill_seconds" in runs[0] and decode_calls > 0:
+            # the steps after the first (prefill): their mean time and rows, what `x_rows` compares
+            out.update(decode_step_ms=round(1000 * (seconds - sum(r["prefill_seconds"] for r in runs)) / decode_calls, 3),
+                       decode_rows=round((sum(r["forward_tokens"] for r in runs)
+                                          - sum(r["prefill_tokens"] for r in runs)) / decode_calls, 2))
     else:
         out.update(tau=None, target_calls=None, accept_counts=None)
     if "target_seconds" in runs[0] and "target_seconds" in ar_runs[0]:
@@ -221,11 +227,36 @@ def baseline_line(results: dict) -> str | None:
     methods = results["methods"]
     ar = methods.get("ar")
     others = [(spec, label) for spec, label in (("hf_ar", "transformers' generate (hf_ar)"),
+                                                ("hf_ar:compile=1", "its static cache + torch.compile (hf_ar:compile=1)"),
                                                 ("ar_stock", "AR on stock kernels (ar_stock)")) if spec in methods]
     if ar is None or not others:
         return None
     parts = [f"{1 / methods[spec]['speedup_vs_ar']:.2f}x {label}" for spec, label in others]
     return f"AR baseline: {ar['tokens_per_s']:.1f} tokens/s = " + ", ".join(parts) + " (median of the per-round ratios)"
+
+
+def verdict_lines(results: dict) -> list[str]:
+    """What each method of the run is, which one is fastest, and why each drafter lands where it
+    does: its speed-up vs AR is the tokens it gains a step (tau) over its step's cost in AR steps."""
+    from mtpkit.models.registry import METHODS
+
+    methods = results["methods"]
+    if not methods:
+        return []
+    best = max(methods, key=lambda spec: methods[spec]["speedup_vs_ar"])
+    lines = [f"Fastest here: {best} at {methods[best]['speedup_vs_ar']:.2f}x AR's tokens/s."]
+    for spec, r in methods.items():
+        name = spec.partition(":")[0]
+        what = METHODS[name].summary if name in METHODS else name
+        line = f"- {spec}: {what}"
+        if r.get("tau") is not None and name not in BASELINES and r["speedup_vs_ar"]:
+            cost = r["tau"] / r["speedup_vs_ar"]
+            line += (f"; {r['tau']:.2f} tokens a step at {cost:.2f}x AR's time a step = {r['speedup_vs_ar']:.2f}x AR"
+                     + ("" if r["speedup_vs_ar"] >= 1 else ": it accepts too few drafts to pay for its wider step"))
+        elif name != "ar":
+            line += f"; {r['speedup_vs_ar']:.2f}x AR"
+        lines.append(line)
+    return lines
 
 
 def fmt(x, digits=2):
@@ -269,12 +300,15 @@ def markdown_table(results: dict, per_cycle: bool = True) -> str:
     if baseline:
         lines += [baseline, ""]
     cost = any("step_cost_vs_ar" in r for r in results["methods"].values())
+    rows = any("x_rows" in r for r in results["methods"].values())
+    floor = any("x_floor" in r for r in results["methods"].values())
     lines += ["| method | tau | tokens/s | speed-up vs AR | " + ("spread | " if spread else "")
               + ("vs stock AR | " if stock else "")
               + "speed-up / tau | step ms | target ms/call | " + ("step cost vs AR | " if cost else "")
+              + ("x rows | " if rows else "") + ("x floor | " if floor else "")
               + "decoder overhead | matches AR |",
               "|---|---|---|---|---|---|---|---|---|" + ("---|" if spread else "") + ("---|" if stock else "")
-              + ("---|" if cost else "")]
+              + ("---|" if cost else "") + ("---|" if rows else "") + ("---|" if floor else "")]
     for spec, r in results["methods"].items():
         bad = (spec, None) in flagged
         lines.append(f"| {spec} | {fmt(r['tau'])} | {fmt(r['tokens_per_s'], 1)} | {ratio_cell(r['speedup_vs_ar'], bad)} | "
@@ -283,6 +317,7 @@ def markdown_table(results: dict, per_cycle: bool = True) -> str:
                      + f"{ratio_cell(r.get('speedup_over_tau'), bad)} | {fmt(r.get('mean_step_ms'), 1)} | "
                      f"{fmt(r.get('target_ms_per_call'), 1)} | "
                      + (f"{ratio_cell(r.get('step_cost_vs_ar'), bad)} | " if cost else "")
+                     + (f"{fmt(r.get('x_rows'))} | " if rows else "") + (f"{fmt(r.get('x_floor'))} | " if floor else "")
                      + f"{fmt(r.get('decoder_overhead_share'), 3)} | {match_cell(r)} |")
     if per_cycle:
         lines += ["", "Per cycle (MTPC paper metrics: mu_lat = seconds per target call, mu_acc = accepted draft "

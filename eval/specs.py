@@ -8,7 +8,7 @@ import dataclasses
 import math
 import typing
 
-from mtpkit.models.heads import field_docs
+from mtpkit.models.cli_help import field_docs
 from mtpkit.models.registry import METHODS
 
 

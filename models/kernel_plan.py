@@ -17,12 +17,11 @@ A gated-LoRA copy (groups carrying a gate) gets a plan of its own, timed on the 
 adapter on for the last `gated_rows(m)` rows of every step (about a third: linear decoding with
 k = 1 verifies 3 rows, one of them a mask): its products are wider (the A rows ride along), and
 on torch's own layers every gated linear adds 2 small products where a fused group adds one
-addmm, so its best kernel per row count can differ from the plain model's. (On SmolLM2-135M with a
-rank-16 head on a 2-core Xeon it came out the same: torch's layers up to 3 rows, oneDNN from 4.)
+addmm, so its best kernel per row count can differ from the plain model's.
 
 The result is cached per machine (CPU model, core and thread count, torch build), model (class,
 shapes) and dtype under `$MTPKIT_KERNEL_CACHE` (default `$MTPKIT_CACHE/kernels`), so only the
-first run on a machine pays the half minute of timing; `retune=True` (`--retune` in the bench
+first run on a machine pays for the timing; `retune=True` (`--retune` in the bench
 scripts) measures again. `eval/bench_forward.py` prints the table a plan came from.
 """
 
@@ -43,7 +42,7 @@ import torch
 from torch import nn
 
 from mtpkit.models.backbone import cache_dir
-from mtpkit.models.heads import write_atomic
+from mtpkit.models.atomic_write import write_atomic
 from mtpkit.models.packed_linear import KERNELS, PackedGroup, PackedLinear, cpu_paths, pack_linears
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64)  # row counts timed (steps, trees, prefill)

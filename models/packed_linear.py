@@ -1,20 +1,18 @@
 """Decoding-time linear layers: each product on the kernel measured fastest for its row count.
 
 Why: speculative decoding feeds the target 2-16 tokens per step, AR one. Which kernel is fastest
-for a given number of rows depends on the machine: on one 2-core Xeon torch's `F.linear` costs
-about the same for 1-3 rows and jumps at 4, while oneDNN with a prepacked weight stays flat over
-1-8 rows; on an AMD EPYC `F.linear` on 2-5 rows cost 2-3x one row. A rule fixed in code cannot
-be right everywhere, so `mtpkit.models.kernel_plan` times both kernels on the model itself for
-every row count the decoder uses and gives every group a plan (row count -> kernel); AR and
-every drafter then run on the same plan. Without a plan a group uses oneDNN for every row count.
+for a given number of rows depends on the machine (the CPU, its vector units, its caches, the
+weight's shape): where one kernel's cost jumps at a few rows, another's can stay flat. A rule
+fixed in code cannot be right everywhere, so `mtpkit.models.kernel_plan` times both kernels on
+the model itself for every row count the decoder uses and gives every group a plan (row count
+-> kernel); AR and every drafter then run on the same plan. Without a plan a group uses oneDNN for every row count.
 
 Kernels (`KERNELS`): `stock` is each member's own layer, as torch computes it unpacked (no
 fusion: on one row this can beat a fused product, whose outputs are strided views); `linear` is
 `F.linear` on the (stacked) weight; `onednn` is oneDNN's `_linear_pointwise` on the weight packed
-by `pack_rows`. All run fp32 and bf16 (in bf16 oneDNN
-was about 2x `F.linear` at every row count on an AVX512-BF16 Xeon: `eval/bench_forward.py
---dtype bfloat16` measures it). `pack_linears` leaves weights below `MIN_PACK` elements alone
-(per-call overhead dominates both kernels there).
+by `pack_rows`. All run fp32 and bf16 (which is faster in bf16 depends on the CPU's bf16
+support: `eval/bench_forward.py --dtype bfloat16` measures it). `pack_linears` leaves weights
+below `MIN_PACK` elements alone (per-call overhead dominates both kernels there).
 
 One mechanism, `PackedGroup`: the product of one or more members' weights stacked row-wise
 (plus each gated LoRA member's A rows), packed again when a weight or bias changes in place,
@@ -63,10 +61,9 @@ PACK_ROWS = 4  # oneDNN picks its kernel by this batch hint; 4 gives row-invaria
 MIN_PACK = 1 << 16  # elements: smaller weights stay nn.Linear
 DTYPES = (torch.float32, torch.bfloat16)  # what the packed kernels run
 DEVICE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a GPU group runs (F.linear)
-# a GPU group's plan: one row (an AR step) on each member's own layer, more rows fused. On an H200
-# (SmolLM2-135M, fp32) an AR step through the fused groups took 26.0 ms against 21.7 ms on the
-# layers themselves (the group's per-call dispatch and strided outputs), a gated verification
-# step 27.6-28.7 ms against 31.9-35.1 ms
+# a GPU group's plan: one row (an AR step) on each member's own layer, more rows fused. A 1-row
+# step is bound by dispatch, which a fused group adds to (its per-call bookkeeping and strided
+# outputs); a verification step of several rows saves more in products than it adds
 DEVICE_PLAN = ("stock", "linear")
 
 # projections that read the same input, in the order the layer calls them (Llama, Mistral, Qwen,
@@ -127,10 +124,9 @@ class PackedGroup:
     (gradients on, an input on another device, or an input dtype other than the weights'):
     each member runs its own `unpacked` forward.
 
-    Why fuse: on this CPU a decoding forward of a few rows costs about the same per product
-    whatever its width, so 7 products per layer cost visibly more than 4 (SmolLM2-135M, 9 rows on
-    a 200-token cache: 1.38x against 1.47x a 1-row forward; gated LoRA 1.66x against 1.89x). The
-    first member called computes the product and keeps it for the others while they are called
+    Why fuse: a decoding forward of a few rows on a CPU costs about the same per product whatever
+    its width, so 7 products per layer cost more than 4 (and a gated LoRA's extra products more
+    so). The first member called computes the product and keeps it for the others while they are called
     with the very same input tensor (same object and version)."""
 
     def __init__(self, members: list[nn.Module]):

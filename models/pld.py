@@ -12,17 +12,19 @@ from dataclasses import dataclass
 import torch
 
 from mtpkit.models.decoding.drafter import Draft, Drafter
-from mtpkit.models.heads import Method
+from mtpkit.models.method import Method
 
 
 @dataclass
 class PLDConfig:
     ngram_max: int = 3
-    """longest n-gram to match"""
+    """longest n-gram to match: longer matches propose drafts more often right"""
     ngram_min: int = 1
-    """shortest n-gram to match"""
+    """shortest n-gram to match: 1 drafts after any repeated token; higher drafts only after longer
+    matches (fewer wasted rows on text that repeats little)"""
     draft_len: int = 10
-    """tokens proposed after a match"""
+    """tokens proposed after a match: more where replies copy long spans of the prompt (code edits,
+    summaries)"""
 
 
 def lookup(tokens: torch.Tensor, ngram_max: int, ngram_min: int, draft_len: int) -> list[int]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpkit.models.decoding.drafter import Draft, Drafter, StepOutput
-from mtpkit.models.heads import Method
+from mtpkit.models.method import Method
 from mtpkit.models.trees import MaskTreeDrafting, MaskTreeOptions, check_ranks
 
 INITS = ("mean", "hard", "sample")
@@ -41,15 +41,18 @@ INITS = ("mean", "hard", "sample")
 @dataclass
 class ProbeConfig(MaskTreeOptions):
     bc: int = 30
-    """block complexity: input positions per forward (root + drafts + their masks)"""
+    """block complexity: input positions per forward (root + drafts + their masks): larger where a
+    step of more rows costs little more than one row (a GPU); the paper's presets are 10, 30, 60"""
     masks: int = 0
-    """mask tokens k per node; 0 = the paper's choice (1 up to BC 30, else 2)"""
+    """mask tokens k per node; 0 = the paper's choice (1 up to BC 30, else 2): more to draft deeper"""
     init: str = "mean"
-    """mask embedding init: mean | hard | sample"""
+    """mask embedding init (Sec. 3.1): mean (the paper's default) | hard | sample, the paper's
+    alternatives"""
     lam: float = 0.1
-    """mask update rate lambda of Eq. 4"""
+    """mask update rate lambda of Eq. 4: higher follows the generated text faster; 0 keeps the init"""
     prune: bool = True
-    """replace candidates equal to their parent or the last token"""
+    """replace candidates equal to their parent or the last token (Sec. 3.5); 0 only to measure
+    what pruning gains"""
     tree: str = "dynamic"
     """`dynamic` (Alg. 1, under the `bc` budget), static branch counts per depth such as `7-2`, or a
     draft tree of rank paths with a mask block on chosen nodes (mtpkit.models.trees): a bank file
@@ -57,7 +60,7 @@ class ProbeConfig(MaskTreeOptions):
     chainN (N top-1 tokens); a rank tree ignores `bc` and `prune`, and its blocks hold as many
     masks as its deepest tree has levels (or `masks`, if set)"""
     seed: int = 0
-    """seed of the `sample` init"""
+    """seed of the `sample` init: another seed, another draw"""
 
 
 def _top_candidates(dists: torch.Tensor, width: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -173,8 +176,8 @@ class ProbeDrafter(MaskTreeDrafting, Drafter):
             first = N + 1 + node * k
             self.mask_rows.append(list(range(first, first + k)))
             extra_parents += [node] + list(range(first, first + k - 1))
-        return Draft(tokens=torch.tensor(draft_tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
-                     extra_embeds=self.masks.repeat(N + 1, 1), extra_parents=torch.tensor(extra_parents, dtype=torch.long))
+        return Draft(tokens=draft_tokens, parents=parents,
+                     extra_embeds=self.masks.repeat(N + 1, 1), extra_parents=extra_parents)
 
     def observe(self, step: StepOutput) -> None:
         if self.trees is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from mtpkit.models import gated_lora, mtpc, pld, probe
 from mtpkit.models.decoding.drafter import Drafter, StockAR
-from mtpkit.models.heads import Method
+from mtpkit.models.method import Method
 
 
 @dataclass
@@ -22,11 +22,19 @@ class NoOptions:
 
 
 @dataclass
+class HFAROptions:
+    compile: bool = False
+    """1: transformers' fastest path, its static KV cache with the forward under torch.compile
+    (CUDA graphs on a GPU); the first call compiles (seconds on a GPU, a minute or more on a CPU:
+    reported apart as compile_s). The fair peer of mtpkit's AR"""
+
+
+@dataclass
 class HFPLDOptions:
     num: int = 10
-    """prompt_lookup_num_tokens"""
+    """prompt_lookup_num_tokens (as pld's draft_len)"""
     ngram: int = 2
-    """max_matching_ngram_size"""
+    """max_matching_ngram_size (as pld's ngram_max)"""
 
 
 METHODS: dict[str, Method] = {
@@ -38,8 +46,8 @@ METHODS: dict[str, Method] = {
     "probe": probe.METHOD,
     "gated_lora": gated_lora.METHOD,
     "mtpc": mtpc.METHOD,
-    "hf_ar": Method("hf_ar", "transformers' own generate() (peer baseline, no tau)", NoOptions,
-                    generate_kwargs=lambda options: {}),
+    "hf_ar": Method("hf_ar", "transformers' own generate() (peer baseline, no tau); compile=1: its static cache "
+                             "+ torch.compile", HFAROptions, generate_kwargs=lambda options: {}),
     "hf_pld": Method("hf_pld", "transformers' generate() with prompt lookup", HFPLDOptions,
                      generate_kwargs=lambda o: {"prompt_lookup_num_tokens": o.num, "max_matching_ngram_size": o.ngram}),
 }

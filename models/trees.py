@@ -15,9 +15,8 @@ nothing) or a list of nodes (the root always included).
 
 `TopologyBank` holds several topologies, each precompiled for a k-mask drafter once (parents of
 every step row, children lists, the tree attention layout the decoder builds its mask from), so
-switching trees between steps is choosing an index (`eval/tree_frontier.py --switch-cost`
-measures it). Policies (after "EntMTP: Accelerating LLM Inference with Entropy Guided Multi Token
-Prediction", Chen) map a per-step feature the verifier already has, the path value v (the
+switching trees between steps is choosing an index. Policies (after "EntMTP: Accelerating LLM Inference with Entropy Guided Multi Token
+Prediction", Chen, arXiv:2606.27550) map a per-step feature the verifier already has, the path value v (the
 target's top-1 probability at the last accepted node times the head's top-1 probability at each
 depth, a product that is high where the head chain is confident; a schedule's `value_depth` V > 0
 keeps the first V depths only, which MTPC uses to skip the sequential queries of a deep chain),
@@ -205,8 +204,8 @@ class Compiled:
     tree attention, as `tree_layout` builds it (the decoder's mask comes from
     it with a cache-length shift)."""
     topology: Topology
-    parents: torch.Tensor
-    extra_parents: torch.Tensor
+    parents: tuple[int, ...]
+    extra_parents: tuple[int, ...]
     block_rows: dict[int, list[int]]
     children: list[list[int]]
     full_parents: tuple[int, ...]
@@ -231,8 +230,8 @@ def compile_topology(topology: Topology, k: int) -> Compiled:
     N = topology.num_nodes
     extra_parents, block_rows = mask_blocks(topology.block_nodes, N + 1, k)
     full = tuple([-1] + topology.parents + extra_parents)
-    return Compiled(topology=topology, parents=torch.tensor(topology.parents, dtype=torch.long),
-                    extra_parents=torch.tensor(extra_parents, dtype=torch.long), block_rows=block_rows,
+    return Compiled(topology=topology, parents=tuple(topology.parents), extra_parents=tuple(extra_parents),
+                    block_rows=block_rows,
                     children=children_of(topology.parents, N + 1), full_parents=full, layout=tree_layout(full),
                     levels=topology.levels())
 
@@ -372,16 +371,20 @@ class TreeOptions:
     eval/tree_frontier.py, a JSON list of rank paths such as [[0],[1],[0,0]] (inline or in a
     .json file), or chainN (N top-1 tokens); '' = the drafter's own. Tree drafts are the
     head's top-ranked tokens (deterministic, exact under sampling by the verifier's
-    multi-candidate rule)"""
+    multi-candidate rule). A bank searched for your machine and task drafts the trees that pay there"""
     schedule: str = "static"
     """static | ladder | hyst: which of the bank's trees each step uses (mtpkit.models.trees);
-    ladder and hyst read their trees and thresholds from the bank's schedules for `task`"""
+    ladder and hyst read their trees and thresholds from the bank's schedules for `task`, and
+    switch trees per step by the path value: where the bank's simulated tokens/s says they pay"""
     task: str = ""
-    """the bank's task whose calibrated schedules to use ('' = the first in the file)"""
+    """the bank's task whose calibrated schedules to use ('' = the first in the file): the one
+    closest to the prompts you serve"""
     index: int = -1
-    """schedule=static: the bank's tree to use (-1 = the task's calibrated static tree, or tree 0)"""
+    """schedule=static: the bank's tree to use (-1 = the task's calibrated static tree, or tree 0),
+    e.g. to measure one tree of the bank"""
     log: str = ""
-    """append one JSON line per verifier step (tree index, nodes, accepted, path value) to this file"""
+    """append one JSON line per verifier step (tree index, nodes, accepted, path value) to this
+    file: to see which trees a schedule chose"""
 
 
 @dataclass
@@ -390,7 +393,8 @@ class MaskTreeOptions(TreeOptions):
     blocks: str = ""
     """mask-block placement of a single tree (tree=chainN or rank paths): chain (the root and the
     top-1 path; quadratic decoding on a chain), all, root, or leaf (the leaves only; linear
-    decoding on a chain); '' = chain. A bank's trees carry their own"""
+    decoding on a chain: a hand-written chain then decodes linearly); '' = chain. A bank's trees
+    carry their own"""
 
 
 def tree_schedule(options: TreeOptions, schedules: dict, n_trees: int, method: str) -> Schedule:
@@ -462,10 +466,10 @@ class MaskTreeDrafting:
     def propose_tree(self) -> Draft:
         masks = self.block_masks
         if self.current is None:  # nothing to speculate: the root's mask block alone
-            return Draft(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long),
-                         extra_embeds=masks, extra_parents=torch.arange(self.block))
+            return Draft(tokens=[], parents=[],
+                         extra_embeds=masks, extra_parents=list(range(self.block)))
         c = self.current
-        return Draft(tokens=torch.tensor(self.tree_tokens, dtype=torch.long), parents=c.parents,
+        return Draft(tokens=list(self.tree_tokens), parents=c.parents,
                      extra_embeds=masks.repeat(len(c.block_rows), 1), extra_parents=c.extra_parents,
                      layout=c.layout, children=c.children)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpkit.models.heads import run_script
+from mtpkit.models.process import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_TORCH = {"train/torchrun_args.py": "mtpkit.train.torchrun_args"}  # loaded by torchrun's .pth hook: stays light

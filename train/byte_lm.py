@@ -43,7 +43,8 @@ from mtpkit.data.bytes import build_corpus
 from mtpkit.data.chat import DataError
 from mtpkit.eval.report import write_training_plot
 from mtpkit.models.backbone import BYTE_LM, byte_tokenizer, cache_dir
-from mtpkit.models.heads import run_script, write_atomic
+from mtpkit.models.atomic_write import write_atomic
+from mtpkit.models.process import run_script
 from mtpkit.train import engine
 from mtpkit.train.checkpoints import save_checkpoint
 from mtpkit.train.config import NOT_EMPTY, Rule, at_least, one_of

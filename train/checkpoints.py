@@ -41,7 +41,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from mtpkit.data.jsonl import read_jsonl
-from mtpkit.models.heads import check_finite, write_atomic
+from mtpkit.models.atomic_write import write_atomic
+from mtpkit.models.head_folder import check_finite
 
 TRAINER_STATE = "trainer_state.json"
 STATE = "state"

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import yaml
 
-from mtpkit.models.heads import field_docs
+from mtpkit.models.cli_help import field_docs
 
 _UNIONS = (typing.Union, types.UnionType)
 

@@ -4,10 +4,11 @@ accelerate `Accelerator`, under `accelerate launch`, `torchrun` or plain `python
 DeepSpeed), the resumable seeded data order, the metrics writer and the log-interval window.
 Checkpoints are `mtpkit.train.checkpoints`, the learning-rate schedule `mtpkit.train.schedule`.
 
-A recipe reads: cfg = parse_config(...); accelerator = setup(cfg, ...); build the model and the
-optimizer; model, optimizer, scheduler, state = prepare(...); then its own loop (batch, forward
-and loss under `accelerator.accumulate`, then a `BackwardStep`: backward, clip, step, schedule, and the
-non-finite rule; log through `Window` and `MetricsWriter`; evaluate (on the main process, or on
+A recipe reads: cfg = parse_config(...) (with `--print-config` it prints the resolved config and
+exits: how another process reads a recipe's settings); accelerator = setup(cfg, ...); build the
+model and the optimizer; model, optimizer, scheduler, state = prepare(...); then its own loop
+(batch, forward and loss under `accelerator.accumulate`, then a `BackwardStep`: backward, clip,
+step, schedule, and the non-finite rule; log through `Window` and `MetricsWriter`; evaluate (on the main process, or on
 every process under ZeRO-3: `evaluates_here`); `checkpoints.save_checkpoint`), and `finish`.
 
 An output dir holds one run: while a run lives, its main process holds an exclusive lock on
@@ -38,10 +39,10 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from mtpkit.models.backbone import DEVICE_CHOICES, DTYPES, resolve_device, resolve_dtype
-from mtpkit.models.heads import write_atomic
+from mtpkit.models.backbone import DEFAULT_BACKBONE, DEVICE_CHOICES, DTYPES, resolve_device, resolve_dtype
+from mtpkit.models.atomic_write import write_atomic
 from mtpkit.train import checkpoints
-from mtpkit.train.config import (NOT_EMPTY, ConfigError, Rule, above, add_config_args, at_least, between, check,
+from mtpkit.train.config import (NOT_EMPTY, Rule, above, add_config_args, at_least, between, check,
                                   one_of, resolve, to_yaml)
 from mtpkit.train.schedule import DECAYS, lr_scheduler
 
@@ -125,10 +126,34 @@ class TrainArgs:
     """seconds a process waits on the others in a collective before failing (several processes)"""
 
 
+@dataclasses.dataclass
+class HeadTrainArgs(TrainArgs):
+    """The fields of every recipe that trains a head on a frozen backbone (gated_lora, mtpc); a
+    recipe's config extends it (and may change defaults)."""
+    backbone: str = DEFAULT_BACKBONE
+    """target model: a known name, a local HF folder or a Hub id"""
+    data: str = "runs/distilled.jsonl"
+    """training chat data (.jsonl of messages, e.g. data/distill.py output) or a `datasets` name;
+    the assistant tokens carry the loss"""
+    eval_data: str = "builtin:eval"
+    """held-out chat data for the acceptance estimate every --eval-every steps: gated_lora reads its
+    prompts (those also in --data left out), mtpc its answers ('' = every 20th record of --data, left
+    out of training)"""
+    max_length: int = 384
+    """tokens per sequence (bytes on a byte-level backbone; gated_lora: before the masks are
+    inserted); longer conversations are cut"""
+    trust_remote_code: bool = False
+    """allow custom model code (e.g. EvaByte's)"""
+
+
 def argument_parser(cls, description: str, configs: str) -> argparse.ArgumentParser:
-    """`--config YAML` and a flag per field of the config dataclass `cls` (its docstrings as help)."""
+    """`--config YAML` and a flag per field of the config dataclass `cls` (its docstrings as help),
+    and `--print-config`."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help=f"YAML config ({configs}); flags override it")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (defaults < YAML < flags, checked) as one JSON line and exit "
+                        "without training: what eval/ablate.py reads of each variant")
     add_config_args(p, cls)
     return p
 
@@ -161,20 +186,37 @@ TRAIN_RULES: tuple[Rule, ...] = (
 )
 """the rules of the shared fields (train/config.py `check`), in the order they are checked"""
 
+HEAD_TRAIN_RULES: tuple[Rule, ...] = (
+    ("backbone", *NOT_EMPTY),
+    ("data", *NOT_EMPTY),
+    ("max_length", *at_least(1)),
+)
+"""the rules of `HeadTrainArgs`' fields: a head recipe's RULES start with them"""
+
 
 def trains_on_cpu(cfg: TrainArgs) -> bool:
     """Whether the run trains on a CPU: --device cpu, or auto where no GPU is visible."""
     return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
 
 
-def parse_config(parser: argparse.ArgumentParser, cls, argv=None, rules: tuple[Rule, ...] = ()):
+def parse_config(parser: argparse.ArgumentParser, cls, argv=None, rules: tuple[Rule, ...] = (),
+                 finish: Callable | None = None):
     """Defaults < YAML < flags, each value checked against its field's type, then TRAIN_RULES and
-    the recipe's `rules` in order; the first error is one line naming the file and key or the flag."""
+    the recipe's `rules` in order, then `finish(cfg)` (the recipe's own checks and the defaults that
+    depend on other fields; a ValueError is an error); the first error is one line naming the file
+    and key or the flag. With --print-config the result is printed as one JSON line and the
+    process exits 0 (the one interface eval/ablate.py reads a trainer's settings through)."""
+    args = parser.parse_args(argv)
     try:
-        cfg = resolve(cls, parser.parse_args(argv))
+        cfg = resolve(cls, args)
         check(cfg, TRAIN_RULES + tuple(rules))
-    except ConfigError as e:
+        if finish is not None:
+            finish(cfg)
+    except ValueError as e:  # a ConfigError, or the recipe's own check
         parser.error(str(e))
+    if args.print_config:
+        print(json.dumps(dataclasses.asdict(cfg)))
+        raise SystemExit(0)
     return cfg
 
 

@@ -33,7 +33,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from mtpkit.models.heads import HEAD_CONFIG, head_folder, read_head_config, read_json, read_weights, run_script
+from mtpkit.models.head_folder import HEAD_CONFIG, head_folder, read_head_config, read_json, read_weights
+from mtpkit.models.process import run_script
 from mtpkit.models.registry import METHODS, trained_method
 from mtpkit.train.checkpoints import latest_checkpoint
 

@@ -38,31 +38,23 @@ from mtpkit.data.chat import IGNORE, DataError, load_examples, prompt_ids, token
 from mtpkit.data.mtp import choose_anchors, collate_cached, collate_mask_inputs, mask_inputs
 from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.eval.report import write_training_plot
-from mtpkit.models.backbone import DEFAULT_BACKBONE, DTYPES, eos_token_ids, load_backbone
+from mtpkit.models.backbone import DTYPES, eos_token_ids, load_backbone
 from mtpkit.models.gated_lora.drafter import DECODINGS, GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP
 from mtpkit.models.gated_lora.model import LCM_DISTANCES
-from mtpkit.models.heads import run_script
+from mtpkit.models.process import run_script
 from mtpkit.models.registry import METHODS
 from mtpkit.train import engine
 from mtpkit.train.checkpoints import save_checkpoint
 from mtpkit.train.config import NOT_EMPTY, Rule, above, at_least, one_of
-from mtpkit.train.engine import TrainArgs
+from mtpkit.train.engine import HeadTrainArgs
 
 
 @dataclasses.dataclass
-class TrainConfig(TrainArgs):
+class TrainConfig(HeadTrainArgs):
     output_dir: str = "runs/gated_lora"
     lr: float = 2e-4
     """peak AdamW learning rate (flat after warm-up, as in the paper)"""
-    backbone: str = DEFAULT_BACKBONE
-    """target model: a known name, a local HF folder or a Hub id"""
-    data: str = "runs/distilled.jsonl"
-    """training chat data (.jsonl of messages, e.g. data/distill.py output) or a `datasets` name"""
-    eval_data: str = "builtin:eval"
-    """prompts for the simulated tau; prompts that also occur in --data are left out"""
-    max_length: int = 384
-    """tokens per sequence before the masks are inserted (longer conversations are cut)"""
     eval_prompts: int = 4
     """held-out prompts per simulated-tau measurement (every --eval-every steps)"""
     eval_max_new_tokens: int = 48
@@ -75,19 +67,14 @@ class TrainConfig(TrainArgs):
     cache_ntp: bool = True
     """gated LoRA: run the NTP tokens once without gradient and the mask blocks over their
     cached keys/values (the same losses; the backward covers the mask slots only)"""
-    trust_remote_code: bool = False
-    """allow custom model code"""
     model: GatedLoRAConfig = dataclasses.field(default_factory=GatedLoRAConfig)
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule, ...] = engine.HEAD_TRAIN_RULES + (
     # the float32 LoRA and sampler meet a float16 backbone's activations only under float16
     # autocast, which accelerate does not run on a CPU (MTPC's head casts its inputs itself)
     ("dtype", lambda v, cfg: DTYPES.get(v) != torch.float16 or not engine.trains_on_cpu(cfg),
      "float32, bfloat16 or auto on a CPU (float16 trains on a GPU only)"),
-    ("backbone", *NOT_EMPTY),
-    ("data", *NOT_EMPTY),
-    ("max_length", *at_least(1)),
     ("eval_prompts", *at_least(1)),
     ("eval_max_new_tokens", *at_least(1)),
     ("eval_decoding", *one_of(DECODINGS)),

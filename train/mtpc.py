@@ -53,18 +53,19 @@ from mtpkit.eval.report import write_training_plot
 from mtpkit.models.backbone import load_backbone
 from mtpkit.models.mtpc.circuits import ARCHS, mode, next_log_probs
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel, window_loss, window_targets
-from mtpkit.models.heads import head_folder, read_weights, run_script
+from mtpkit.models.head_folder import head_folder, read_weights
+from mtpkit.models.process import run_script
 from mtpkit.models.registry import METHODS
 from mtpkit.train import engine
 from mtpkit.train.checkpoints import save_checkpoint
-from mtpkit.train.config import NOT_EMPTY, Rule, above, at_least, between, one_of
-from mtpkit.train.engine import TrainArgs
+from mtpkit.train.config import Rule, above, at_least, between, one_of
+from mtpkit.train.engine import HeadTrainArgs
 
 DEFAULT_BYTE_BACKBONE = "mtpkit-byte-lm"
 
 
 @dataclasses.dataclass
-class TrainConfig(TrainArgs):
+class TrainConfig(HeadTrainArgs):
     output_dir: str = "runs/mtpc"
     max_steps: int = 500
     lr: float = 3e-4
@@ -73,13 +74,8 @@ class TrainConfig(TrainArgs):
     """seed of the head init, data order and window sampling"""
     log_every: int = 10
     backbone: str = DEFAULT_BYTE_BACKBONE
-    """byte-level target: a known name (mtpkit-byte-lm, tiny-byte-llama-random), a folder or a Hub id"""
-    data: str = "runs/distilled.jsonl"
-    """training chat data (.jsonl of messages) or a `datasets` name; assistant bytes carry the loss"""
     eval_data: str = ""
-    """held-out chat data for the acceptance estimate ('' = every 20th record of --data, left out of training)"""
     max_length: int = 1024
-    """bytes per sequence (longer conversations are cut)"""
     windows_per_sequence: int = 0
     """random window positions per sequence that carry the loss (0 = all)"""
     gamma: float = 0.0
@@ -90,15 +86,10 @@ class TrainConfig(TrainArgs):
     """held-out sequences per acceptance estimate (every --eval-every steps)"""
     init_from: str = ""
     """checkpoint (or export) folder whose head initialises this run (stage two)"""
-    trust_remote_code: bool = False
-    """allow custom model code (EvaByte)"""
     model: MTPCConfig = dataclasses.field(default_factory=MTPCConfig)
 
 
-RULES: tuple[Rule, ...] = (
-    ("backbone", *NOT_EMPTY),
-    ("data", *NOT_EMPTY),
-    ("max_length", *at_least(1)),
+RULES: tuple[Rule, ...] = engine.HEAD_TRAIN_RULES + (
     ("windows_per_sequence", *at_least(0)),
     ("gamma", *between(0, 1)),
     ("kl_weight", *at_least(0)),
@@ -122,14 +113,13 @@ def parse_args(argv=None) -> TrainConfig:
     # --nnodes/--nproc-per-node/...) unless mtpkit's hook is installed (train/torchrun_args.py)
     p.add_argument("-n", "--window", dest="cfg__model__n", type=int, default=None,
                    help="alias of --n (works under a torchrun without mtpkit's hook, which rejects --n)")
-    cfg = engine.parse_config(p, TrainConfig, argv, RULES)
-    try:
-        cfg.model.__post_init__()  # the model config's own checks, on the values the flags set
-    except ValueError as e:
-        p.error(str(e))
+    return engine.parse_config(p, TrainConfig, argv, RULES, finish=_finish)
+
+
+def _finish(cfg: TrainConfig) -> None:
+    cfg.model.__post_init__()  # the model config's own checks, on the values the flags set
     if not cfg.gamma:
         cfg.gamma = 0.9 if cfg.model.n > 8 else 0.8
-    return cfg
 
 
 def build_features(cfg: TrainConfig, tokenizer, log) -> tuple[list[dict], list[dict]]:

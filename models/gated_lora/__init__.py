@@ -7,7 +7,7 @@ from mtpkit.models.gated_lora.drafter import DECODINGS, GatedLoRADraftConfig, Ga
 from mtpkit.models.gated_lora.head import HEAD_FILES, HEAD_WEIGHTS, load_head, model_card, save_head
 from mtpkit.models.gated_lora.inference import GatedLoRALinear, to_inference
 from mtpkit.models.gated_lora.model import LLAMA_LINEARS, Gate, GatedLoRAConfig, GatedMTP, SamplerMLP
-from mtpkit.models.heads import Method
+from mtpkit.models.method import Method
 
 METHOD = Method(
     name="gated_lora",

@@ -41,7 +41,7 @@ from mtpkit.models.gated_lora.head import load_head, read_settings
 from mtpkit.models.gated_lora.inference import to_inference
 from mtpkit.models.gated_lora.model import GatedMTP
 from mtpkit.models.generate import target_probs
-from mtpkit.models.heads import recorded_backbone
+from mtpkit.models.head_folder import recorded_backbone
 from mtpkit.models.trees import MaskTreeDrafting, MaskTreeOptions, check_ranks, mask_blocks
 
 DECODINGS = ("linear", "quadratic")
@@ -53,23 +53,28 @@ class GatedLoRADraftConfig(MaskTreeOptions):
     head: str = ""
     """head folder (train/export.py output or a checkpoint's head/)"""
     decoding: str = "quadratic"
-    """linear | quadratic"""
+    """linear | quadratic (Sec. 2.4): quadratic puts a mask block after every speculated token, so
+    a step drafts again after a partial acceptance, at more rows per step; linear where a step's
+    rows are dear"""
     sampler: int = -1
     """which head speculates: 1 the sampler head (refused by name on a head trained with
     --sampler 0, which has none), 0 the base head, -1 (auto) the sampler when the head has one,
-    else the base head"""
+    else the base head. 0 where the sampler's sequential calls cost more than they gain"""
     k: int = 0
     """masks per block; 0 = the k the head was trained with. Fewer is exact for the same head
-    (mask i only ever sees masks 1..i of its block), so one k=4 head also serves k=2"""
+    (mask i only ever sees masks 1..i of its block), so one k=4 head also serves k=2: fewer where
+    the deep speculations are rarely accepted"""
     drafts: str = "sample"
     """sample | argmax: under speculative sampling (temperature > 0), draw each speculation from
     the head's tempered (and top-p) distribution and verify it against that q (sample), or take
-    the argmax, verified as a one-hot proposal (argmax). Greedy decoding always takes the argmax"""
+    the argmax, verified as a one-hot proposal (argmax). Greedy decoding always takes the argmax.
+    sample accepts more where the head's q is close to the target's p"""
     seed: int = 0
-    """seed of the drafter's own generator (drafts=sample under speculative sampling only)"""
+    """seed of the drafter's own generator (drafts=sample under speculative sampling only):
+    another seed, another draw"""
     allow_other_backbone: bool = False
     """run the head on a backbone other than the one it was trained on (refused otherwise; the
-    bench marks the row)"""
+    bench marks the row), e.g. to see how a head transfers to a fine-tune of its backbone"""
     # tree, schedule, task, index, log, blocks: `MaskTreeOptions` (draft trees, mtpkit.models.trees)
 
 
@@ -155,9 +160,9 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
         N = len(self.spec)
         anchors = list(range(N + 1)) if self.config.decoding == "quadratic" else [N]
         extra_parents, self.blocks = mask_blocks(anchors, N + 1, self.k)
-        return Draft(tokens=torch.tensor(self.spec, dtype=torch.long), parents=torch.arange(N),
+        return Draft(tokens=list(self.spec), parents=list(range(N)),
                      draft_probs=self.spec_probs, extra_embeds=self.masks.repeat(len(anchors), 1),
-                     extra_parents=torch.tensor(extra_parents, dtype=torch.long))
+                     extra_parents=extra_parents)
 
     def observe(self, step: StepOutput) -> None:
         if self.trees is not None:

@@ -9,8 +9,10 @@ import torch
 from safetensors.torch import save_file
 
 from mtpkit.models.gated_lora.model import LCM_DISTANCES, GatedLoRAConfig, GatedMTP
-from mtpkit.models.heads import (HEAD_CONFIG, ModelCard, check_backbone, check_finite, head_folder, read_head_config,
-                                 read_json, read_weights, replacing, typed_settings, write_head_config)
+from mtpkit.models.atomic_write import replacing
+from mtpkit.models.head_folder import (HEAD_CONFIG, check_backbone, check_finite, head_folder, read_head_config,
+                                       read_json, read_weights, typed_settings, write_head_config)
+from mtpkit.models.method import ModelCard
 
 METHOD = "gated_lora"
 HEAD_WEIGHTS = "mtp_head.safetensors"
@@ -70,7 +72,7 @@ def read_settings(head_dir) -> tuple[dict, GatedLoRAConfig]:
 def load_head(head_dir, base_model, trust_remote_code: bool = False, allow_other_backbone: bool = False) -> GatedMTP:
     """The GatedMTP of a head folder on `base_model` (modified in place: peft injects its layers).
     Refuses (ValueError naming the file) settings `read_settings` rejects, non-finite weights, and
-    a head trained on another backbone unless `allow_other_backbone` (models/heads.check_backbone).
+    a head trained on another backbone unless `allow_other_backbone` (models/head_folder.check_backbone).
     A gated-LoRA head names no code, so `trust_remote_code` changes nothing (the argument every
     method's load_head takes)."""
     head_dir = Path(head_folder(head_dir))

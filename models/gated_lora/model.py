@@ -59,8 +59,8 @@ class GatedLoRAConfig:
     """weight of the latent-consistency loss"""
     lcm: str = "l2"
     """latent-consistency distance: l2 = Eq. 1, the squared L2 distance summed over the d hidden
-    dimensions; l2_per_dim = the same divided by d (mtpkit before 0.2: lcm_weight w there equals
-    w / d here)"""
+    dimensions; l2_per_dim = the same divided by d (lcm_weight w with it equals w / d with l2; the
+    `lcm-per-dim` variant of eval/ablate.py)"""
     gated: bool = True
     """gate the LoRA on at mask positions only (the paper); False = plain LoRA on every position
     (the ablation baseline: next-token outputs no longer equal the base model's)"""
@@ -93,6 +93,21 @@ class Gate:
         if gate.shape[0] == 1 and self.rows.numel():  # decoding: the gated masks are the suffix
             start, end = int(self.rows[0]), int(self.rows[-1]) + 1
             self.span = (start, end) if end - start == self.rows.numel() else None
+        try:
+            yield
+        finally:
+            self.rows, self.shape, self.span, self.all = previous
+
+    @contextlib.contextmanager
+    def suffix(self, start: int, length: int):
+        """`with gate(mask)` for a batch-1 forward of `length` rows whose gated rows are the run
+        [start, length) (a decoding step's extra nodes), set from the two ints alone: no mask is
+        built or read (on a GPU, reading one back is a host sync)."""
+        previous = self.rows, self.shape, self.span, self.all
+        start = 0 if self.everywhere else start
+        self.rows, self.shape = torch.arange(start, length), torch.Size((1, length))
+        self.span = (start, length) if start < length else None
+        self.all = start == 0
         try:
             yield
         finally:

@@ -4,7 +4,7 @@ training head and model (`model`), the head folder (`head`), the decode-only ker
 the drafter (`drafter`), libcirkit heads (`cirkit_head`, `circuit_cirkit`; imported on use) and
 the entry in the table of methods (`METHOD`)."""
 
-from mtpkit.models.heads import Method
+from mtpkit.models.method import Method
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
 from mtpkit.models.mtpc.head import HEAD_FILES, HEAD_WEIGHTS, load_head, model_card, save_head
 from mtpkit.models.mtpc.model import MTPCConfig, MTPCHead, MTPCModel, window_loss, window_targets

@@ -96,10 +96,10 @@ class LazyBTree:
     draws and conditionals agree exactly.
 
     The products (unembeddings, projections) are torch's; everything after them works on vectors
-    of r and runs in numpy, whose small ops cost about a microsecond against several for a torch
-    op's dispatch. That halves the aten calls of a cycle but saves only a few percent of its
-    time on a CPU: after a backbone forward the weights a cycle reads (~16 MB at n = 16, r = 32,
-    V = 260, d = 384 in int8) come from memory, and those reads are most of the cycle."""
+    of r and runs in numpy, whose small ops cost less than a torch op's dispatch. That halves the
+    aten calls of a cycle but saves little of its time on a CPU: after a backbone forward the
+    weights a cycle reads (~16 MB at n = 16, r = 32, V = 260, d = 384 in int8) come from memory,
+    and those reads are most of the cycle."""
 
     def __init__(self, head: MTPCHead, hidden: torch.Tensor, units_dtype: torch.dtype | None = None):
         if head.cfg.arch != "btree":

@@ -6,12 +6,12 @@ the shared state after layer N - L; the drafter feeds the states of newly accept
 through its own copy of the last L layers (its own KV cache, holding accepted positions only,
 so it never rolls back) to get e_t. With L = 0, e_t is the verifier's own final state.
 
-Cycles (`cycle=`):
-- `alg2` (default), greedy: the paper's Algorithm 2. After an accepted draft the "free" bonus
-  byte is dropped (its state would cost another forward) and the last accepted byte is the next
-  root; when nothing is accepted the free byte is kept and the next cycle is a one-byte forward
-  computing its state (an empty draft, "unset S state").
-- `alg2`, speculative sampling: Algorithm 2 as printed is biased here. After a rejection at
+The cycle:
+- greedy: the paper's Algorithm 2. After an accepted draft the "free" bonus byte is dropped (its
+  state would cost another forward) and the last accepted byte is the next root; when nothing is
+  accepted the free byte is kept and the next cycle is a one-byte forward computing its state (an
+  empty draft, "unset S state").
+- speculative sampling: Algorithm 2 as printed is biased here. After a rejection at
   draft position s + 1 the bonus is a sample of the residual max(p - q, 0); dropping it and
   drawing position s + 1 afresh next cycle gives it probability min(p, q) + R p instead of p
   (R = the rejection mass). So the bonus is dropped only when every draft byte was accepted (it
@@ -19,19 +19,16 @@ Cycles (`cycle=`):
   circuit of the newest byte that has a state, conditioned on the kept byte: q(x_2.. | x_1 =
   bonus), an exact proposal at no extra forward (tests/eval/test_mtpc_decoding.py shows the
   printed version failing the distribution test).
-- `bonus`: standard speculative decoding: the bonus is always kept and every window is drawn
-  conditioned on it (n - 1 draft bytes per cycle, no state-only cycles).
 
 Drafts: greedy decoding proposes the circuit's max-product window (`circuits.mode`, as the MTPC
-code's argmax query), or with `greedy=chain` the argmax of each conditional in turn (follows the
-marginal, not one latent path: better for an undertrained mixture whose best single path is
-not its typical output); speculative sampling (Algorithm 3) draws the window from the circuit and
+code's argmax query; `tree=chainN` drafts the argmax of each conditional in turn instead, which
+follows the marginal, not one latent path); speculative sampling (Algorithm 3) draws the window from the circuit and
 hands the verifier its conditionals q(x_j | x_<j) = q(x_1..j) / q(x_1..j-1) lazily, only for
 the positions it visits, in closed form (`circuits.next_log_probs_posterior`). Under sampling the
 head's input units are computed lazily too (`LazyUnits`): all r units only for the positions
 conditioned on or verified, one unit per other position; a BTree cycle (`LazyBTree`) also
 projects only the sum weights its draws and conditionals read. Greedy chain drafts compute the whole
-head (the mode and the chain read every unit); greedy trees, only the units of the positions
+head (the mode reads every unit); greedy trees, only the units of the positions
 their depth reaches (as sampled trees).
 
 `verify=path` verifies each byte with the input unit the draft's latent path selected (the
@@ -45,7 +42,7 @@ expectation, by concavity of min(p, q)).
 Trees (`tree=`, rank paths as in `mtpkit.models.trees`): node (r_1..r_d) sits under node
 (r_1..r_{d-1}) and holds, for greedy decoding, the r_d-th most probable byte of the circuit's exact
 conditional q(x_d | the kept bytes, the parent path's bytes) (`next_log_probs_posterior`, one
-batched query per depth over that depth's parents; the rank-0 path is `greedy=chain`); under
+batched query per depth over that depth's parents; the rank-0 path is `circuits.greedy_chain`); under
 speculative sampling, the r_d-th draw WITHOUT replacement from that conditional (Gumbel top-k),
 verified with q with the earlier draws' bytes zeroed and renormalised, the distribution it was
 drawn from. The verifier's recursive rejection (accept x with min(1, p / q), else p <- norm(max(p
@@ -55,8 +52,9 @@ i.i.d. windows into a trie and deduplicating siblings would NOT be: a dropped du
 rejection would have moved p by its residual update, and that update is lost. A rank with no
 lower-ranked sibling in the tree (paths [[1]]) is still the r-th draw, verified with q less the
 earlier draws (exact: they are the drafter's own randomness). Under sampling the bonus is
-dropped (`cycle=alg2`) only when the whole depth was accepted: the last accepted node is then a
-leaf, whose bonus is a plain sample of p. `verify=path` and `greedy=mode` do not apply to trees.
+dropped only when the whole depth was accepted: the last accepted node is then a
+leaf, whose bonus is a plain sample of p. `verify=path` and the max-product window do not apply
+to trees.
 
 Tree schedules (`tree=bank.json,schedule=ladder|hyst,task=T`, a bank written by
 `eval/tree_frontier.py --method mtpc`): before each draft the schedule picks a tree of the bank
@@ -76,16 +74,15 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from mtpkit.models.mtpc.circuits import (CircuitParams, greedy_chain, mode, next_log_probs_posterior, sample,
-                                    sample_states, sample_tokens)
+from mtpkit.models.mtpc.circuits import (CircuitParams, mode, next_log_probs_posterior, sample, sample_states,
+                                    sample_tokens)
 from mtpkit.models.decoding.drafter import Draft, Drafter, StepOutput
-from mtpkit.models.heads import recorded_backbone
+from mtpkit.models.head_folder import recorded_backbone
 from mtpkit.models.mtpc.decode import LazyBTree, decode_window
 from mtpkit.models.mtpc.head import load_head, read_settings
 from mtpkit.models.mtpc.model import MTPCHead, MTPCModel
 from mtpkit.models.trees import Schedule, Topology, TreeOptions, check_ranks, load_bank, tree_schedule
 
-CYCLES = ("alg2", "bonus")
 VERIFY = ("marginal", "path")
 UNIT_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "int8": torch.int8}  # None: the head's own precision
 
@@ -96,37 +93,36 @@ class MTPCDraftConfig(TreeOptions):
     """head folder (train/export.py output or a train/mtpc.py checkpoint-N/)"""
     n: int = 0
     """bytes of the window drafted per cycle; 0 = the head's n (fewer is exact: the marginal of the
-    first n positions; verifying fewer bytes is cheaper)"""
-    greedy: str = "mode"
-    """greedy drafts: mode (max-product window, as the MTPC code) | chain (argmax of each conditional in turn)"""
-    cycle: str = "alg2"
-    """alg2 (the paper's Algorithm 2, made exact for sampling) | bonus (keep every bonus, condition on it)"""
+    first n positions). Fewer where long drafts are mostly rejected: verifying fewer bytes is cheaper"""
     seed: int = 0
-    """seed of the drafter's own sampling (speculative sampling only)"""
+    """seed of the drafter's own sampling (speculative sampling only): another seed, another draw"""
     units: str = "float32"
     """precision the sampling path and greedy trees read the head's unembeddings (and BTree sum projections) in:
     float32 | bfloat16 (half the bytes of a memory-bound product) | int8 (weight-only, one scale
-    per row: a quarter); all exact, the verifier uses the very q the draft came from"""
+    per row: a quarter); all exact, the verifier uses the very q the draft came from. int8 where
+    those reads bound the step (a CPU)"""
     verify: str = "marginal"
     """the q speculative sampling verifies each drafted byte with: marginal (q(x_i | x_<i), the
     circuit's prefix-marginal conditional: Algorithm 3) | path (the input unit the draft's latent
     path selected at i, the distribution the byte was drawn from given that path: exact as well,
     since the path is the drafter's own randomness, and cheaper, as no verified position needs
     all r units; but the mixture's averaging is lost, so fewer bytes are accepted, see
-    docs/mtpc.md). Same for FF (one unit)"""
+    docs/mtpc.md). Same for FF (one unit). path where a cycle's cost, not its acceptance, limits
+    the speed-up"""
     tree: str = ""
     """draft a TREE of rank paths instead of a chain: chainN, a JSON list of rank paths such as
     [[0],[1],[0,0]], or a .json file holding one such list or a bank written by
     eval/tree_frontier.py --method mtpc (its tree `index`, or its trees switched by `schedule`).
     Node (r_1..r_d) is the r_d-th most probable byte of the circuit's exact conditional given its
     parent's path (greedy), or the r_d-th draw without replacement from it (sampling: exact, see
-    the module docstring). At most n deep (n - 1 with cycle=bonus); '' = chain"""
+    the module docstring). At most n deep; '' = chain. A tree where a wider draft pays (see
+    eval/tree_frontier.py --method mtpc)"""
     trust_remote_code: bool = False
     """let a cirkit head's config name a `module:function` that loading imports and runs as its
     circuit builder (only for heads whose code you trust)"""
     allow_other_backbone: bool = False
     """run a head on a backbone other than the one it was trained on (refused otherwise; the bench
-    marks the row)"""
+    marks the row), e.g. to see how a head transfers to a fine-tune of its backbone"""
 
 
 class LazyConditionals:
@@ -254,10 +250,6 @@ class MTPCDrafter(Drafter):
     def __init__(self, config: MTPCDraftConfig = MTPCDraftConfig(), model: MTPCModel | None = None):
         if model is None and not config.head:
             raise ValueError("mtpc needs head=DIR (a folder written by train/export.py or a checkpoint-N/)")
-        if config.greedy not in ("mode", "chain"):
-            raise ValueError(f"mtpc greedy must be mode or chain, got {config.greedy!r}")
-        if config.cycle not in CYCLES:
-            raise ValueError(f"mtpc cycle must be one of {CYCLES}, got {config.cycle!r}")
         if config.units not in UNIT_DTYPES:
             raise ValueError(f"mtpc units must be one of {tuple(UNIT_DTYPES)}, got {config.units!r}")
         if config.verify not in VERIFY:
@@ -286,11 +278,11 @@ class MTPCDrafter(Drafter):
         """The options against a head of window `n` over `vocab_size` bytes (None: unknown)."""
         if not 0 <= self.config.n <= n:
             raise ValueError(f"mtpc n={self.config.n}: the head's window is {n}")
-        if self.tree is not None:  # the kept bonus (cycle=bonus: always one) takes a window position
-            window = (self.config.n or n) - (self.config.cycle == "bonus")
+        if self.tree is not None:
+            window = self.config.n or n
             if self.deepest > window:
                 raise ValueError(f"mtpc tree={self.config.tree!r}: depth {self.deepest} does not fit the window "
-                                 f"(n={self.config.n or n}, cycle={self.config.cycle}: at most {window} deep)")
+                                 f"(n={window}: at most {window} deep)")
             if isinstance(vocab_size, int):
                 check_ranks(self.trees, vocab_size, f"mtpc tree={self.config.tree!r}")
 
@@ -313,8 +305,6 @@ class MTPCDrafter(Drafter):
         return model, None
 
     def drop_bonus(self, accepted: int, proposed: int) -> bool:
-        if self.config.cycle == "bonus":
-            return False
         if self.sampling:  # exact: only a bonus drawn from p itself may be redrawn next cycle, i.e.
             return accepted == self.draft_depth  # one after a leaf (a chain: every byte accepted)
         return accepted > 0 or proposed == 0
@@ -360,11 +350,10 @@ class MTPCDrafter(Drafter):
             observed = torch.arange(span, device=self.device)[None] < m
         if self.sampling:  # input units (and btree sum weights) on demand: see LazyUnits, LazyBTree
             window, log_conditional = self._sample(evidence, observed, span)
-            return Draft(tokens=window[m:n], parents=torch.arange(n - m),
+            return Draft(tokens=window[m:n], parents=list(range(n - m)),
                          draft_probs=LazyConditionals(log_conditional, m))
-        pick = mode if self.config.greedy == "mode" else greedy_chain
-        window = pick(self._head_params(span), evidence, observed)[0, m:n]  # stays on the device: the verifier reads it
-        return Draft(tokens=window, parents=torch.arange(len(window)))
+        window = mode(self._head_params(span), evidence, observed)[0, m:n]  # stays on the device: the verifier reads it
+        return Draft(tokens=window, parents=list(range(len(window))))
 
     def _head_params(self, span: int):
         """The whole head's circuit of e over its first `span` positions (greedy drafts)."""
@@ -397,7 +386,7 @@ class MTPCDrafter(Drafter):
         self.draft_depth = depth
         tokens, probs = draft_tree(params, span, self.given, self.tree, self.levels[:depth], self.device,
                                    self.gen if self.sampling else None, root)
-        return Draft(tokens=tokens, parents=torch.tensor(self.tree.parents[:len(tokens)]), draft_probs=probs)
+        return Draft(tokens=tokens, parents=list(self.tree.parents[:len(tokens)]), draft_probs=probs)
 
     def _observe_tree(self, step: StepOutput) -> None:
         """The step's line in the tree log; for a ladder or hyst schedule, the target's top-1
@@ -441,7 +430,7 @@ class MTPCDrafter(Drafter):
         if self.tree is not None:
             self._observe_tree(step)
         kept_bonus = bool(step.new_tokens) and len(step.new_tokens) > len(step.accepted)
-        if kept_bonus and self.config.cycle == "alg2" and not self.sampling:
+        if kept_bonus and not self.sampling:
             self.e, self.given = None, []   # the paper's branch: a state-only cycle comes next
             return
         self.given = [step.new_tokens[-1]] if kept_bonus else []

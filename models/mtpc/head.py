@@ -8,8 +8,10 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from mtpkit.models.arch import adapter_for
-from mtpkit.models.heads import (HEAD_CONFIG, ModelCard, check_backbone, check_finite, head_folder, read_head_config,
-                                 read_weights, replacing, typed_settings, write_head_config)
+from mtpkit.models.atomic_write import replacing
+from mtpkit.models.head_folder import (HEAD_CONFIG, check_backbone, check_finite, head_folder, read_head_config,
+                                       read_weights, typed_settings, write_head_config)
+from mtpkit.models.method import ModelCard
 from mtpkit.models.mtpc.model import MTPCConfig, MTPCModel
 
 METHOD = "mtpc"
@@ -49,7 +51,7 @@ def read_settings(folder) -> tuple[dict, MTPCConfig]:
 def load_head(folder, backbone, trust_remote_code: bool = False, allow_other_backbone: bool = False) -> MTPCModel:
     """An exported (or checkpointed) MTPC head on `backbone`, in eval mode. Refuses (ValueError)
     settings `read_settings` rejects, non-finite weights, a head trained on another backbone unless
-    `allow_other_backbone` (models/heads.check_backbone), and a cirkit head whose config names a
+    `allow_other_backbone` (models/head_folder.check_backbone), and a cirkit head whose config names a
     `module:function` to import and run as its circuit builder unless `trust_remote_code` (as
     transformers' flag: only for heads whose code you trust)."""
     folder = head_folder(folder)

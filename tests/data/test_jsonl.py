@@ -92,10 +92,10 @@ def test_report_reads_metrics_with_unicode_line_breaks(tmp_path):
 
 
 def test_ablate_reads_metrics_with_unicode_line_breaks(tmp_path):
-    from mtpkit.eval import ablate
+    from mtpkit.eval import ablate, ablate_report
 
     metrics = _metrics(tmp_path)
-    assert ablate.curves(tmp_path, ["a"])["a"]["points"] == [{"step": 1, "sim_tau": 1.5, "train_seconds": 1.0}]
+    assert ablate_report.curves(tmp_path, ["a"])["a"]["points"] == [{"step": 1, "sim_tau": 1.5, "train_seconds": 1.0}]
     assert ablate.last_step(metrics) == 1
     with open(metrics, "a") as f:
         f.write('{"step": 2, "lo')  # the trainer is writing its next line

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpkit.eval import ablate
+from mtpkit.eval import ablate, ablate_report
 
 TINY_RECIPE = """# a tiny gated-LoRA recipe (the shape of configs/gated_lora/*.yaml)
 backbone: tiny-llama-random
@@ -148,11 +148,11 @@ def test_curves_put_sim_tau_against_steps_and_training_seconds(tmp_path):
               {"step": 4, "tokens_seen": 400, "ntp_tokens_per_s": 100.0}, {"step": 4, "sim_tau": 1.3}]
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + '\n{"step": 5, "tok')
-    runs = ablate.curves(tmp_path, ["a", "missing"])
+    runs = ablate_report.curves(tmp_path, ["a", "missing"])
     assert runs["a"]["points"] == [{"step": 2, "sim_tau": 1.1, "train_seconds": 2.0},
                                    {"step": 4, "sim_tau": 1.3, "train_seconds": 4.0}]
     assert runs["a"]["ntp_tokens_per_s"] == 100.0 and runs["missing"]["points"] == []
-    text = "\n".join(ablate.curves_markdown(runs))
+    text = "\n".join(ablate_report.curves_markdown(runs))
     assert "| 2 | 1.100 (2 s) |" in text and "| a | 100.0 | 1.00x | 4 |" in text
-    ablate.write_curves(runs, tmp_path / "curves.png")
+    ablate_report.write_curves(runs, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size

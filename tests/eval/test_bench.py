@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from mtpkit.eval import bench
 from mtpkit.models.pld import PLDConfig
@@ -31,7 +32,7 @@ def test_help_explains_every_flag(capsys):
     text = capsys.readouterr().out
     for flag in ("--backbone", "--data", "--limit", "--per-category", "--methods", "--max-new-tokens",
                  "--temperature", "--top-p", "--seed", "--dtype", "--out", "--trust-remote-code", "--linear",
-                 "--retune", "--rounds", "--fuse", "--prefetch-rows"):
+                 "--retune", "--rounds", "--skip"):
         assert flag in text
     for method in bench.METHODS:
         assert method in text
@@ -150,7 +151,7 @@ def test_bench_runs_mtpc_heads(tmp_path):
     torch.manual_seed(0)
     save_head(MTPCModel(base, cfg), tmp_path / "head", "tiny-byte-llama-random")
     out = tmp_path / "r" / "results.json"
-    specs = [f"mtpc:head={tmp_path / 'head'}", f"mtpc:head={tmp_path / 'head'},cycle=bonus"]
+    specs = [f"mtpc:head={tmp_path / 'head'}", f"mtpc:head={tmp_path / 'head'},n=2"]
     bench.main(["--backbone", "tiny-byte-llama-random", "--data", "builtin:eval", "--per-category", "1",
                 "--max-new-tokens", "12", "--methods", *specs, "--out", str(out)])
     methods = json.loads(out.read_text())["methods"]
@@ -328,3 +329,31 @@ def test_a_busy_machine_is_warned_about_in_json_table_and_plot(tmp_path, monkeyp
     pld = results["methods"]["pld"]
     assert f"| pld | {pld['tau']:.2f} | {pld['tokens_per_s']:.1f} | {pld['speedup_vs_ar']:.2f} ! |" in table
     assert f"| ar | 1.00 | {results['methods']['ar']['tokens_per_s']:.1f} | 1.00 |" in table  # AR is 1 by definition
+
+
+def test_hf_ar_compile_asks_transformers_for_its_static_compiled_path():
+    """hf_ar:compile=1 passes transformers' static cache and a compile config to generate (its
+    fastest path, the fair peer of mtpkit's AR); plain hf_ar passes neither."""
+    from types import SimpleNamespace
+
+    seen = []
+
+    class FakeModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(4, 2)
+
+        def get_input_embeddings(self):
+            return self.embed
+
+        def generate(self, ids, **kwargs):
+            seen.append(kwargs)
+            return torch.cat([ids, torch.tensor([[1, 2]])], dim=1)
+
+    args = SimpleNamespace(max_new_tokens=2, temperature=0.0, top_p=1.0)
+    tokenizer = SimpleNamespace(pad_token_id=0)
+    for spec in ("hf_ar", "hf_ar:compile=1"):
+        name, cfg = bench.parse_method(spec)
+        assert bench.run_hf(FakeModel(), tokenizer, name, cfg, [3], args, {0})["tokens"] == [1, 2]
+    assert "cache_implementation" not in seen[0] and "compile_config" not in seen[0]
+    assert seen[1]["cache_implementation"] == "static" and seen[1]["compile_config"]._compile_all_devices

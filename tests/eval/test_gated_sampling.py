@@ -127,10 +127,10 @@ def test_draft_probs_are_the_q_each_token_was_drawn_from(small, sampler, top_p, 
         N, q = draft.num_nodes, draft.draft_probs
         assert N == 2 and q.shape == (N, VOCAB)
         torch.testing.assert_close(q.sum(-1), torch.ones(N))
-        assert (q[torch.arange(N), draft.tokens] > 0).all()
+        assert (q[torch.arange(N), torch.tensor(draft.tokens)] > 0).all()
         z = step.hidden[blocks[step.last_node]]  # [k, d]
         if sampler:
-            prev = [step.new_tokens[-1]] + draft.tokens.tolist()[:-1]
+            prev = [step.new_tokens[-1]] + list(draft.tokens)[:-1]
             logits = model.sampler_logits(torch.tensor(prev), z)
         else:
             logits = model.lm_head(z)
@@ -149,4 +149,4 @@ def test_argmax_drafts_and_greedy_decoding_stay_one_hot(small, drafts, temperatu
     assert pairs
     for (step, blocks), draft in pairs:
         assert draft.draft_probs is None
-        assert draft.tokens.tolist() == model.lm_head(step.hidden[blocks[step.last_node]]).argmax(-1).tolist()
+        assert list(draft.tokens) == model.lm_head(step.hidden[blocks[step.last_node]]).argmax(-1).tolist()

@@ -33,8 +33,8 @@ class OracleMTPC(MTPCDrafter):
     all-rejected cycles all happen. Every time it drafts, its e_t must equal the draft features
     recomputed over the whole sequence."""
 
-    def __init__(self, truth, model, seed, cycle="alg2", **options):
-        super().__init__(MTPCDraftConfig(cycle=cycle, **options), model)
+    def __init__(self, truth, model, seed, **options):
+        super().__init__(MTPCDraftConfig(**options), model)
         self.truth, self.gen_oracle, self.checked = truth, torch.Generator().manual_seed(seed), 0
 
     def begin(self, target, prompt_ids):
@@ -69,17 +69,16 @@ class OracleMTPC(MTPCDrafter):
 
 
 @pytest.mark.parametrize("arch,L", CONFIGS)
-@pytest.mark.parametrize("cycle", ["alg2", "bonus"])
-def test_greedy_equals_ar(tiny_byte, arch, L, cycle):
+def test_greedy_equals_ar(tiny_byte, arch, L):
     backbone, _ = tiny_byte
     head = make_head(backbone, arch, L)
     target = Target(backbone)
     for seed in range(2):
         prompt = torch.randint(0, 256, (7 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
         want = decode(target, Drafter(), prompt, 40).tokens
-        drafter = MTPCDrafter(MTPCDraftConfig(cycle=cycle), model=head)
+        drafter = MTPCDrafter(MTPCDraftConfig(), model=head)
         assert decode(target, drafter, prompt, 40).tokens == want
-        oracle = OracleMTPC(want, head, seed, cycle)
+        oracle = OracleMTPC(want, head, seed)
         got = decode(target, oracle, prompt, 40)
         assert got.tokens == want
         assert got.accept_counts and got.accept_counts[0] > 0 and len(got.accept_counts) >= 3, got.accept_counts
@@ -143,12 +142,12 @@ def exact_two_token_joint(model, temperature=1.0):
     return first[:, None] * second
 
 
-@pytest.mark.parametrize("arch,L,cycle,units,verify,T", [  # each arch, cycle, unit dtype, q and T at least once
-    ("hmm", 1, "alg2", "float32", "marginal", 1.0), ("cp", 0, "bonus", "float32", "marginal", 1.0),
-    ("cirkit", 0, "alg2", "float32", "marginal", 1.0), ("btree", 1, "alg2", "bfloat16", "marginal", 1.0),
-    ("ff", 0, "alg2", "int8", "marginal", 1.0), ("btree", 0, "alg2", "int8", "path", 1.0),
-    ("btree", 0, "alg2", "float32", "marginal", 0.7), ("cp", 0, "bonus", "float32", "path", 0.7)])
-def test_speculative_sampling_with_a_circuit_draft_is_exact(small, monkeypatch, arch, L, cycle, units, verify, T):
+@pytest.mark.parametrize("arch,L,units,verify,T", [  # each arch, unit dtype, q and T at least once
+    ("hmm", 1, "float32", "marginal", 1.0), ("cp", 0, "float32", "marginal", 1.0),
+    ("cirkit", 0, "float32", "marginal", 1.0), ("btree", 1, "bfloat16", "marginal", 1.0),
+    ("ff", 0, "int8", "marginal", 1.0), ("btree", 0, "int8", "path", 1.0),
+    ("btree", 0, "float32", "marginal", 0.7), ("cp", 0, "float32", "path", 0.7)])
+def test_speculative_sampling_with_a_circuit_draft_is_exact(small, monkeypatch, arch, L, units, verify, T):
     """units=bfloat16|int8: the units are products in lower precision, and the verifier must use
     the very q each byte was drawn from. verify=path: q is the unit the draft's latent path
     selected, never the prefix marginal (which is made to fail here)."""
@@ -159,7 +158,7 @@ def test_speculative_sampling_with_a_circuit_draft_is_exact(small, monkeypatch, 
             raise AssertionError("verify=path computed a prefix marginal")
         monkeypatch.setattr("mtpkit.models.mtpc.decode.LazyBTree.conditional", no_marginal)
         monkeypatch.setattr("mtpkit.models.mtpc.drafter.next_log_probs_posterior", no_marginal)
-    drafter = MTPCDrafter(MTPCDraftConfig(seed=1, cycle=cycle, units=units, verify=verify), model=head)
+    drafter = MTPCDrafter(MTPCDraftConfig(seed=1, units=units, verify=verify), model=head)
     counts = two_token_counts(target, drafter, 800, T)
     assert chi2_pvalue(counts, exact_two_token_joint(small, T)) > 1e-3
     # the drafts were really sampled from the circuit and partly accepted
@@ -175,21 +174,6 @@ def test_the_printed_algorithm_2_is_biased_under_sampling(small, monkeypatch):
     monkeypatch.setattr(drafter, "drop_bonus", lambda accepted, proposed: accepted > 0 or proposed == 0)
     counts = two_token_counts(Target(small), drafter, 800)
     assert chi2_pvalue(counts, exact_two_token_joint(small)) < 1e-3
-
-
-@pytest.mark.parametrize("arch,L", [("btree", 0), ("hmm", 1), ("cirkit", 1)])
-def test_greedy_chain_drafts_equal_ar(tiny_byte, arch, L):
-    backbone, _ = tiny_byte
-    head = make_head(backbone, arch, L)
-    target = Target(backbone)
-    prompt = [3, 40, 50, 60, 70]
-    want = decode(target, Drafter(), prompt, 30).tokens
-    res = decode(target, MTPCDrafter(MTPCDraftConfig(greedy="chain"), model=head), prompt, 30)
-    assert res.tokens == want and res.draft_nodes > 0
-    # a random head's chains are rarely accepted (hmm's never here): with its proposals replaced
-    # by the AR continuation, accepted drafts are verified too
-    got = decode(target, OracleMTPC(want, head, seed=0, greedy="chain"), prompt, 30)
-    assert got.tokens == want and sum(got.accept_counts) > 0
 
 
 @pytest.mark.parametrize("arch", ["btree", "hmm"])

@@ -11,6 +11,8 @@ import json
 import pytest
 import torch
 
+from mtpkit.eval.tree_search.calibration import Calibration, calibrate_mtpc
+from mtpkit.eval.tree_search.simulate import rollout, rollout_sampled
 from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
@@ -57,7 +59,7 @@ def _decode_and_calibrate(target, drafter, model, seqs):
         calls += got.target_calls
         for d, n in enumerate(got.accept_counts[:3]):
             accepted[d] += n
-        cals.append(tf.calibrate_mtpc(model, target, seq, len(prompt), "t", depth=3, max_rank=4))
+        cals.append(calibrate_mtpc(model, target, seq, len(prompt), "t", depth=3, max_rank=4))
     return calls, accepted, cals
 
 
@@ -69,7 +71,7 @@ def test_the_simulator_takes_the_mtpc_decoders_steps(tiny_byte, arch, L):
     for tree in (BRANCHY, "chain3"):
         calls, accepted, cals = _decode_and_calibrate(target, MTPCDrafter(MTPCDraftConfig(tree=tree), model=model),
                                                       model, seqs)
-        sim = tf.rollout(cals, [Topology(tree)], k=3)
+        sim = rollout(cals, [Topology(tree)], k=3)
         assert (sim.steps, sim.tokens) == (calls, NEW * len(PROMPTS))
         assert accepted[1] > 5, accepted  # depth 2 accepted
         assert sim.accepted.count(0) > 0 and None in sim.trees_used  # rejections, and their state-only cycles
@@ -99,7 +101,7 @@ def test_mtpc_schedules_switch_trees_exactly_as_simulated(tiny_byte, tmp_path, k
     calls, _, cals = _decode_and_calibrate(target, drafter, model, seqs)
     used = [json.loads(line)["tree"] for line in log.read_text().splitlines()]
     assert {0, 1} <= set(used), f"the schedule never switched: nothing tested ({used})"
-    sim = tf.rollout(cals, trees, 3, Schedule(**schedule))
+    sim = rollout(cals, trees, 3, Schedule(**schedule))
     assert sim.steps == calls
     assert [u for u in sim.trees_used if u is not None] == [u for u in used if u is not None]
     assert len(used) == calls  # a line per step: the prompts' forwards and the state-only cycles log None
@@ -141,11 +143,11 @@ def test_tree_frontier_for_mtpc_and_bench_end_to_end(tmp_path):
     assert all(len(t["paths"]) == max(len(p) for p in t["paths"]) for t in saved["trees"])  # chains only
     assert "replay_max_abs_error" in saved["check"] and "expected steps" in sampled.with_suffix(".md").read_text()
     with pytest.raises(ValueError, match="chains only"):
-        tf.rollout_sampled([tf.Calibration("t", 3, 2, torch.zeros(2, 3, dtype=torch.long), torch.ones(2),
+        rollout_sampled([Calibration("t", 3, 2, torch.zeros(2, 3, dtype=torch.long), torch.ones(2),
                                            torch.ones(2, 3), "alg2", torch.ones(2, 4), torch.ones(2, 3), 4)],
                            [Topology(BRANCHY)], Schedule("static", [0]), 1, 0)
     with pytest.raises(ValueError, match="signal=ema"):
-        tf.rollout([tf.Calibration("t", 3, 2, torch.zeros(2, 3, dtype=torch.long), torch.ones(2),
+        rollout([Calibration("t", 3, 2, torch.zeros(2, 3, dtype=torch.long), torch.ones(2),
                                    torch.ones(2, 3), "alg2")], [Topology("chain1"), Topology("chain2")], 3,
                    Schedule("hyst", [0, 1], [0.2, 0.3], signal="ema", alpha=0.5))
 
@@ -192,9 +194,9 @@ def test_under_sampling_the_simulator_expects_the_mtpc_decoders_steps(tiny_byte)
                          generator=torch.Generator().manual_seed(seed))
             for d, n in enumerate(got.accept_counts[:3]):
                 accepted[d] += n
-            cal = tf.calibrate_mtpc(model, target, prompt + got.tokens, len(prompt), "t", depth=3, max_rank=4,
+            cal = calibrate_mtpc(model, target, prompt + got.tokens, len(prompt), "t", depth=3, max_rank=4,
                                     temperature=temperature)
-            sim = tf.rollout([cal], [Topology("chain3")], 3, replicas=64)
+            sim = rollout([cal], [Topology("chain3")], 3, replicas=64)
             assert sim.tokens == NEW * sim.replicas
             e = sim.steps / sim.replicas
             calls, expected, squares = calls + got.target_calls, expected + e, squares + (got.target_calls - e) ** 2

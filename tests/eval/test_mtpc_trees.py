@@ -14,7 +14,7 @@ from chisquare import chi2_pvalue
 from mtpkit.eval.bench import parse_method
 from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.decoding.drafter import Drafter
-from mtpkit.models.mtpc.circuits import next_log_probs
+from mtpkit.models.mtpc.circuits import greedy_chain, next_log_probs
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter, load_tree
 from tests.eval.test_host_syncs import BOUNDS, device_target, reads_per_step
 from tests.eval.test_mtpc_decoding import (PROMPT, OracleMTPC, exact_two_token_joint, make_head,  # noqa: F401
@@ -39,7 +39,7 @@ class OracleTree(OracleMTPC):
         if self.e is None:
             return draft
         self.check_state(tokens)
-        parents = draft.parents.tolist()
+        parents = list(draft.parents)
         leaves = [j for j in range(1, len(parents) + 1) if j not in parents]
         node, path = leaves[int(torch.randint(len(leaves), (1,), generator=self.gen_oracle))], []
         while node:
@@ -56,36 +56,34 @@ class OracleTree(OracleMTPC):
 
 
 @pytest.mark.parametrize("arch,L", [("ff", 0), ("btree", 0), ("btree", 1), ("hmm", 1)])
-@pytest.mark.parametrize("cycle", ["alg2", "bonus"])
-def test_greedy_tree_drafts_equal_ar(tiny_byte, arch, L, cycle):
+def test_greedy_tree_drafts_equal_ar(tiny_byte, arch, L):
     backbone, _ = tiny_byte
     head = make_head(backbone, arch, L)
     target = Target(backbone)
     prompt = [5, 17, 99, 3, 8]
     want = decode(target, Drafter(), prompt, 40).tokens
     for tree in (BRANCHY, "chain3"):
-        got = decode(target, MTPCDrafter(MTPCDraftConfig(cycle=cycle, tree=tree), model=head), prompt, 40)
+        got = decode(target, MTPCDrafter(MTPCDraftConfig(tree=tree), model=head), prompt, 40)
         assert got.tokens == want and got.draft_nodes > 0
-        oracle = OracleTree(want, head, seed=0, cycle=cycle, tree=tree)
+        oracle = OracleTree(want, head, seed=0, tree=tree)
         got = decode(target, oracle, prompt, 40)
         assert got.tokens == want and sum(got.accept_counts) > 0 and len(got.accept_counts) >= 2, got.accept_counts
         assert oracle.checked > 3
         assert oracle.off_rank0 > 0 or tree == "chain3"  # a branch off the top-1 path was accepted
 
 
-@pytest.mark.parametrize("arch,cycle", [("btree", "alg2"), ("cp", "bonus"), ("cirkit", "alg2")])
-def test_greedy_nodes_rank_the_exact_conditionals(tiny_byte, arch, cycle):
+@pytest.mark.parametrize("arch,kept", [("btree", 0), ("cp", 1), ("cirkit", 0)])
+def test_greedy_nodes_rank_the_exact_conditionals(tiny_byte, arch, kept):
     """Each node's byte is its rank in q(x_d | kept bytes, parent path) computed by brute force (V
-    upward passes, not the closed form the drafter uses); the rank-0 path is `greedy=chain`."""
+    upward passes, not the closed form the drafter uses); the rank-0 path is the circuit's
+    `greedy_chain` (a kept byte: the window after a rejection)."""
     backbone, _ = tiny_byte
     head = make_head(backbone, arch, 0)
     target, prompt = Target(backbone), [5, 17, 99, 3, 8]
     tree = "[[0],[1],[2],[0,0],[0,1],[1,0],[2,0],[0,0,0]]"
-    drafter = MTPCDrafter(MTPCDraftConfig(cycle=cycle, tree=tree), model=head)
-    chain = MTPCDrafter(MTPCDraftConfig(cycle=cycle, greedy="chain"), model=head)
-    for d in (drafter, chain):
-        d.begin(target, prompt)
-        d.e, d.given = head.features(torch.tensor([prompt]))[0, -1], [7] * (cycle == "bonus")
+    drafter = MTPCDrafter(MTPCDraftConfig(tree=tree), model=head)
+    drafter.begin(target, prompt)
+    drafter.e, drafter.given = head.features(torch.tensor([prompt]))[0, -1], [7] * kept
     tokens = drafter.propose(prompt).tokens.tolist()
     params, m = head.head(drafter.e[None]), len(drafter.given)
     for j, path in enumerate(drafter.tree.paths):
@@ -98,10 +96,14 @@ def test_greedy_nodes_rank_the_exact_conditionals(tiny_byte, arch, cycle):
         top = log_q.sort(descending=True, stable=True)
         torch.testing.assert_close(log_q[tokens[j]], top.values[path[-1]], msg=f"{path}: {tokens[j]} {top.indices[:3]}")
     rank0 = [tokens[drafter.tree.paths.index((0,) * d)] for d in range(1, 4)]
-    assert rank0 == chain.propose(prompt).tokens.tolist()[:3]
+    evidence = torch.zeros(1, params.n, dtype=torch.long)
+    evidence[0, :m] = 7
+    with torch.no_grad():
+        chain = greedy_chain(params, evidence, torch.arange(params.n)[None] < m)[0, m: m + 3]
+    assert rank0 == chain.tolist()
 
 
-def sampled_tree_pvalue(small, arch, L, cycle, T, far):
+def sampled_tree_pvalue(small, arch, L, T, far):
     """Chi-square p-value of 800 two-byte samples drafted with the WIDE tree against the exact
     joint. far: the head's unembeddings random instead of from the target's LM head, so its q is
     far from p and rank 0 is often rejected (siblings then matter most)."""
@@ -109,18 +111,18 @@ def sampled_tree_pvalue(small, arch, L, cycle, T, far):
     if far:
         with torch.no_grad():
             head.head.unembed.copy_(torch.randn(head.head.unembed.shape, generator=torch.Generator().manual_seed(5)))
-    drafter = MTPCDrafter(MTPCDraftConfig(seed=1, cycle=cycle, tree=WIDE), model=head)
+    drafter = MTPCDrafter(MTPCDraftConfig(seed=1, tree=WIDE), model=head)
     counts = two_token_counts(Target(small), drafter, 800, T)
     return chi2_pvalue(counts, exact_two_token_joint(small, T)), drafter
 
 
-@pytest.mark.parametrize("arch,L,cycle,T,far", [("btree", 0, "alg2", 1.0, True), ("btree", 0, "bonus", 1.0, False),
-                                                 ("hmm", 1, "alg2", 0.7, False), ("cp", 0, "bonus", 0.7, True)])
-def test_speculative_sampling_with_a_tree_is_exact(small, arch, L, cycle, T, far):
+@pytest.mark.parametrize("arch,L,T,far", [("btree", 0, 1.0, True), ("btree", 0, 1.0, False), ("hmm", 1, 0.7, False),
+                                          ("cp", 0, 0.7, True)])
+def test_speculative_sampling_with_a_tree_is_exact(small, arch, L, T, far):
     """Siblings drawn without replacement, each verified with q less its earlier siblings' bytes:
-    the two-byte joint is the target's (alg2 exercises depths 1 and 2 of the tree, bonus the
-    branching under the kept bonus byte)."""
-    pvalue, drafter = sampled_tree_pvalue(small, arch, L, cycle, T, far)
+    the two-byte joint is the target's (depths 1 and 2 of the tree, and the branching under a
+    bonus byte kept after a rejection)."""
+    pvalue, drafter = sampled_tree_pvalue(small, arch, L, T, far)
     assert pvalue > 1e-3
     # the drafts were the tree's, siblings distinct, each q row zero at its earlier siblings' bytes
     drafter.sampling, drafter.temperature = True, T
@@ -140,7 +142,7 @@ def test_siblings_verified_with_plain_q_fail_the_same_test(small, monkeypatch):
     the bytes not drawn yet) is biased, and the first case of the test above catches it."""
     plain = lambda q, order: q[:, None].expand(-1, order.shape[1], -1)  # noqa: E731
     monkeypatch.setattr("mtpkit.models.mtpc.drafter.sibling_probs", plain)
-    pvalue, _ = sampled_tree_pvalue(small, "btree", 0, "alg2", 1.0, far=True)
+    pvalue, _ = sampled_tree_pvalue(small, "btree", 0, 1.0, far=True)
     assert pvalue < 1e-6
 
 
@@ -156,8 +158,6 @@ def test_bad_trees_are_refused(tiny_byte, tmp_path):
         MTPCDrafter(MTPCDraftConfig(tree=str(bank), index=2), model=head)
     with pytest.raises(ValueError, match="tree='chain5': depth 5"):  # deeper than the window
         MTPCDrafter(MTPCDraftConfig(tree="chain5"), model=head)
-    with pytest.raises(ValueError, match="at most 3 deep"):  # cycle=bonus: the bonus takes a position
-        MTPCDrafter(MTPCDraftConfig(tree="chain4", cycle="bonus"), model=head)
     with pytest.raises(ValueError, match="tree=.*verify=path"):
         MTPCDrafter(MTPCDraftConfig(tree="chain2", verify="path"), model=head)
     ema = {"kind": "hyst", "trees": [0, 1], "thresholds": [0.2, 0.3], "signal": "ema", "alpha": 0.5}

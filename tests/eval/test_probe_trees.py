@@ -10,6 +10,8 @@ import pytest
 
 from chisquare import chi2_pvalue
 from mtpkit.eval import tree_frontier as tf
+from mtpkit.eval.tree_search.calibration import calibrate_probe
+from mtpkit.eval.tree_search.simulate import rollout
 from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
@@ -31,7 +33,7 @@ def decode_all(small, drafter, new=20):
         calls += got.target_calls
         for d, n in enumerate(got.accept_counts[:2]):
             accepted[d] += n
-        cals.append(tf.calibrate_probe(target, probe, prompt + want, len(prompt), "t", max_rank=4))
+        cals.append(calibrate_probe(target, probe, prompt + want, len(prompt), "t", max_rank=4))
     return calls, accepted, cals
 
 
@@ -43,7 +45,7 @@ def test_greedy_probe_trees_equal_ar_and_the_simulator_predicts_every_step(small
     drafter = ProbeDrafter(ProbeConfig(tree=_bank(tmp_path, [Topology(tree, blocks)]), masks=2, lam=0.0))
     calls, accepted, cals = decode_all(small, drafter)
     assert accepted[0] > 10 and accepted[1] > 3, accepted
-    sim = tf.rollout(cals, [Topology(tree, blocks)], k=2)
+    sim = rollout(cals, [Topology(tree, blocks)], k=2)
     assert (sim.steps, sim.tokens) == (calls, 20 * len(PROMPTS))
 
 
@@ -53,7 +55,7 @@ def test_with_mask_updates_the_simulator_is_close(small, tmp_path):
     drafter = ProbeDrafter(ProbeConfig(tree=_bank(tmp_path, [Topology(BRANCHY)]), masks=2))
     calls, accepted, cals = decode_all(small, drafter)
     assert accepted[0] > 10, accepted
-    sim = tf.rollout(cals, [Topology(BRANCHY)], k=2)
+    sim = rollout(cals, [Topology(BRANCHY)], k=2)
     assert abs(sim.steps / calls - 1) < 0.15, (sim.steps, calls)
 
 
@@ -67,7 +69,7 @@ def test_probe_schedules_switch_trees_as_simulated(small, tmp_path, kind):
     calls, _, cals = decode_all(small, drafter)
     used = [json.loads(line)["tree"] for line in log.read_text().splitlines()]
     assert {0, 1} <= set(used), "the schedule never switched: nothing tested"
-    sim = tf.rollout(cals, trees, 2, Schedule(**schedule))
+    sim = rollout(cals, trees, 2, Schedule(**schedule))
     assert sim.steps == calls
     assert [u for u in sim.trees_used if u is not None] == [u for u in used if u is not None]
 

@@ -10,7 +10,7 @@ import pytest
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP
 from mtpkit.models.gated_lora import load_head as load_gated
 from mtpkit.models.gated_lora import save_head as save_gated
-from mtpkit.models.heads import read_head_config, read_weights
+from mtpkit.models.head_folder import read_head_config, read_weights
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel
 from mtpkit.models.mtpc import load_head as load_mtpc
 from mtpkit.models.mtpc import save_head as save_mtpc

@@ -14,7 +14,7 @@ from mtpkit.eval import bench
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP
 from mtpkit.models.gated_lora import load_head as load_gated
 from mtpkit.models.gated_lora import save_head as save_gated
-from mtpkit.models.heads import read_head_config
+from mtpkit.models.head_folder import read_head_config
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel
 from mtpkit.models.mtpc import load_head as load_mtpc
 from mtpkit.models.mtpc import save_head as save_mtpc
@@ -71,7 +71,7 @@ def bench_error(capsys, tmp_path, *specs, backbone="tiny-llama-random") -> str:
 
 
 def test_the_head_records_its_backbone(tiny, gated_head, mtpc_head, tiny_byte):
-    from mtpkit.models.heads import backbone_identity
+    from mtpkit.models.head_folder import backbone_identity
 
     assert read_head_config(gated_head)["backbone"] == backbone_identity(tiny[0], "tiny-llama-random")
     recorded = read_head_config(mtpc_head)["backbone"]

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP
 from mtpkit.models.gated_lora import load_head as load_gated
 from mtpkit.models.gated_lora import save_head as save_gated
-from mtpkit.models.heads import field_docs, replacing, write_atomic
+from mtpkit.models.atomic_write import replacing, write_atomic
+from mtpkit.models.cli_help import field_docs
 from mtpkit.models.mtpc import MTPCConfig, MTPCModel
 from mtpkit.models.mtpc import load_head as load_mtpc
 from mtpkit.models.mtpc import save_head as save_mtpc

@@ -8,7 +8,7 @@ import pytest
 
 from mtpkit.eval import bench
 from mtpkit.models.decoding.drafter import Drafter
-from mtpkit.models.heads import Method
+from mtpkit.models.method import Method
 from mtpkit.models.registry import METHODS, NoOptions, trained_method
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -47,6 +47,24 @@ def test_shared_fields_keep_their_flags_and_each_recipe_its_defaults(capsys):
         assert needle in capsys.readouterr().err
 
 
+def test_print_config_prints_the_resolved_config_and_exits(capsys):
+    """--print-config: the config after defaults, YAML, flags and the recipe's own defaults (MTPC's
+    gamma from n), one JSON line, exit 0 (what eval/ablate.py reads); a bad flag is still refused.
+    The head recipes' shared fields are declared once (HeadTrainArgs), their defaults their own."""
+    with pytest.raises(SystemExit) as e:
+        mtpc.parse_args(["--print-config", "--n", "16", "--arch", "cp"])
+    assert e.value.code == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["model"]["n"] == 16 and printed["gamma"] == 0.9 and printed["backbone"] == "mtpkit-byte-lm"
+    with pytest.raises(SystemExit) as e:
+        gated_lora.parse_args(["--print-config", "--k", "0"])
+    assert e.value.code == 2 and "--k" in capsys.readouterr().err
+    for recipe in (gated_lora, mtpc):
+        assert issubclass(recipe.TrainConfig, engine.HeadTrainArgs)
+        assert "trust_remote_code" not in vars(recipe.TrainConfig).get("__annotations__", {})
+    assert (gated_lora.parse_args([]).max_length, mtpc.parse_args([]).max_length) == (384, 1024)
+
+
 def test_lr_schedule_warms_up_stays_flat_then_decays():
     flat = [lr_multiplier(s, 10, warmup_steps=2) for s in range(10)]
     assert flat == [0.5] + [1.0] * 9

@@ -1,99 +1,24 @@
 """What every method's head folder shares: the `mtpkit_config.json` that names its method and
-base model, the check that its weights are finite, the atomic file writes (also used by the
-trainers for their checkpoints and metrics), and the `Method` entry each method registers (see
-`mtpkit.models.registry`); also `field_docs` (the trainers' `--help` texts) and `run_script` (how
-every command-line script that imports torch ends)."""
+base model (with the backbone it was trained on, checked when it loads), its typed settings, and
+weights that must be finite."""
 
 from __future__ import annotations
 
-import ast
-import contextlib
 import dataclasses
-import functools
-import gc
 import hashlib
-import inspect
 import json
+import sys
 import types
 import typing
-import os
-import sys
-import textwrap
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from mtpkit.models.atomic_write import write_atomic
+
 HEAD_CONFIG = "mtpkit_config.json"
-
-
-def run_script(main: Callable[[], object], *, exit_status: bool = False) -> None:
-    """Runs a command-line script's `main()`, then freezes the objects the garbage collector tracks
-    (`gc.freeze`), so the interpreter's exit skips its cyclic collections over the ~0.4M objects
-    that importing torch, transformers and DeepSpeed created: over a second per process on a
-    2-core CPU, paid by every worker of a launcher.
-    atexit handlers still run and objects outside reference cycles are still freed; only
-    finalizers of objects in cycles are skipped at exit, which CPython does not promise to run
-    anyway. With `exit_status`, main's return value is the process's exit status."""
-    result = main()
-    gc.freeze()
-    if exit_status:
-        sys.exit(result)
-
-
-def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings (the string literal right after `name: type = default`) of `cls` and
-    of the dataclasses it extends (a subclass's own text wins)."""
-    docs = {}
-    for klass in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(klass):
-            docs.update(_own_field_docs(klass))
-    return docs
-
-
-@functools.cache
-def _own_field_docs(cls) -> dict[str, str]:
-    node = _class_node(cls)
-    if node is None:
-        return {}
-    docs = {}
-    for stmt, nxt in zip(node.body, node.body[1:]):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[stmt.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def _class_node(cls) -> ast.ClassDef | None:
-    """`cls`'s definition in its module's syntax tree (each module file parsed once), found by its
-    qualified name; a class defined inside a function is read with inspect.getsource instead."""
-    if "<locals>" in cls.__qualname__:
-        try:
-            return ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
-        except (OSError, TypeError):
-            return None
-    try:
-        filename = inspect.getsourcefile(cls)
-    except TypeError:
-        return None
-    body = _module_tree(filename).body if filename else []
-    node = None
-    for name in cls.__qualname__.split("."):
-        node = next((n for n in body if isinstance(n, ast.ClassDef) and n.name == name), None)
-        if node is None:
-            return None
-        body = node.body
-    return node
-
-
-@functools.cache
-def _module_tree(filename: str) -> ast.Module:
-    try:
-        return ast.parse(Path(filename).read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, UnicodeDecodeError):
-        return ast.Module(body=[], type_ignores=[])
 
 
 def head_folder(path) -> Path:
@@ -102,26 +27,6 @@ def head_folder(path) -> Path:
     if not (path / HEAD_CONFIG).is_file() and (path / "head" / HEAD_CONFIG).is_file():
         return path / "head"
     return path
-
-
-@contextlib.contextmanager
-def replacing(path) -> Iterator[Path]:
-    """A temporary path beside `path` to write to; when the block ends without an error it
-    replaces `path` in one step (os.replace: a reader sees the old file or the new one, never a
-    part), otherwise it is removed and `path` is left as it was."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_atomic(path, data: str | bytes) -> None:
-    """Write `data` to `path` through `replacing`."""
-    with replacing(path) as tmp:
-        tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
 
 
 def check_finite(tensors: dict, source) -> None:
@@ -282,43 +187,3 @@ def read_weights(path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path}: not a readable safetensors file, truncated or corrupt ({e})") from None
     check_finite(tensors, path)
     return tensors
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelCard:
-    """What a method says about one of its heads on the exported model card."""
-    title: str
-    about: str
-    settings: dict
-    usage: str
-    """Python lines that load the head (after `model, tokenizer = load_backbone(...)`)"""
-    bench: str = ""
-    """an `eval/bench.py --methods` spec using the head, or ''"""
-    library: str = "mtpkit"
-    """the card's `library_name`"""
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-    """One row of the table of methods (`mtpkit.models.registry.METHODS`), read by the trainers,
-    `train/export.py` and `eval/bench.py`."""
-    name: str
-    summary: str
-    """one line for `eval/bench.py --help`"""
-    options: type
-    """dataclass of the bench options (`name:key=value,...`)"""
-    drafter: Callable | None = None
-    """options -> a `Drafter`; None for a baseline that is not a drafter (transformers' generate)"""
-    config: type | None = None
-    """dataclass of a trained head's settings (its trainer's `model:` section, saved in mtpkit_config.json)"""
-    head_files: tuple[str, ...] = ()
-    """files of an exported head folder (besides mtpkit_config.json); () = no trained head"""
-    save_head: Callable | None = None
-    """(model, folder, base_model, extra=None, state_dict=None) -> None; refuses non-finite weights"""
-    load_head: Callable | None = None
-    """(folder, backbone, trust_remote_code=False) -> the trained model on `backbone`; refuses
-    non-finite weights, and a head whose config names code to run unless trust_remote_code"""
-    card: Callable[[dict], ModelCard] | None = None
-    """head config -> its model card's text"""
-    generate_kwargs: Callable | None = None
-    """options -> extra keyword arguments of transformers' generate() (baselines without a drafter)"""

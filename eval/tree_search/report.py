@@ -1,0 +1,103 @@
+"""The tree search's report (`eval/tree_frontier.py`): the bank's markdown table (per task: every
+candidate tree, the schedules, the future-known bound; the held-out check) and its plot (tau and
+tokens/s against draft nodes, per task)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mtpkit.eval.tree_search.schedules import NEVER
+
+
+def kernels_line(report: dict) -> str:
+    """How the step costs' products ran, in words."""
+    linear = report.get("linear", "stock")
+    if linear == "auto" and report.get("kernels"):
+        return "the kernel plan of this machine" + (" (the gated copy's own)" if report["kernels"]["adapted"] else "")
+    return {"auto": "torch's layers (nothing packed)", "stock": "torch's layers",
+            "onednn": "oneDNN for every product"}[linear]
+
+
+def markdown(report: dict) -> str:
+    decoding = (f"speculative sampling at T = {report['temperature']}, top-p {report['top_p']}"
+                if report.get("temperature") else "greedy decoding")
+    head = {"gated_lora": "sampler head" if report["sampler"] else "base head", "probe": "mask logits",
+            "mtpc": "the circuit's exact conditionals"}[report["method"]]
+    shape = ("trees at most k bytes deep, no mask blocks, Algorithm 2's cycle" if report["method"] == "mtpc" else
+             f"blocks = {report['blocks']}, as many masks per block as the tree has levels")
+    lines = [f"Draft trees of {report['head']} on {report['backbone']} (k = {report['k']}, "
+             f"{head}, {shape}); simulated {decoding}, step costs read off the cost curve of the forwards measured "
+             f"on {report.get('device', 'cpu')} in {report.get('dtype', 'float32')} on {kernels_line(report)} (ms: AR "
+             f"{report['costs_ms']['ar']}, prefill {report['costs_ms']['prefill']})", "",
+             "Per-step cost of a tree switch (median us): choosing the tree {choose_tree_us}, its attention mask from "
+             "the bank's precompiled layout {mask_from_bank_us}, the same mask with the layout rebuilt "
+             "{mask_rebuilt_us}".format(**report["switch_cost"]), ""]
+    for task, t in report["tasks"].items():
+        lines += [f"**{task}** ({t['prompts']} prompts; simulated AR {t['sim_ar_tokens_per_s']} tok/s)", "",
+                  "| tree | nodes | rows/step | sim tau | sim tok/s | vs AR | bank |", "|---|---|---|---|---|---|---|"]
+        for r in t["trees"]:
+            lines.append(f"| {r['name']} | {r['nodes']} | {r['rows']} | {r['sim_tau']:.3f} | {r['sim_tokens_per_s']:.1f} "
+                         f"| {r['sim_tokens_per_s'] / t['sim_ar_tokens_per_s']:.2f}x | {'' if r['bank'] is None else r['bank']} |")
+        lines += ["", "| schedule | trees | thresholds | sim tau | sim tok/s |", "|---|---|---|---|---|"]
+        for name, s in t["schedules"].items():
+            if s.get("signal") == "ema":
+                name = f"{name} (EMA of the target's top-1, alpha {s['alpha']})"
+            elif s.get("value_depth"):
+                name = f"{name} (path value {s['value_depth']} deep)"
+            thresholds = [round(x, 4) for x in s["thresholds"]]
+            if s["kind"] == "hyst" and s["thresholds"][1] >= NEVER:
+                thresholds = f"{thresholds}: never on, no threshold paid"
+            lines.append(f"| {name} | {s['trees']} | {thresholds} | {s['sim_tau']:.3f} | {s['sim_tokens_per_s']:.1f} |")
+        static = t["schedules"]["static"]["sim_tokens_per_s"]
+        signals = t["schedules"].get("hyst", {}).get("by_signal")
+        if signals:
+            lines += ["", "Hyst's best pair on each signal: " + ", ".join(
+                f"{'path value' if name == 'path' else 'EMA (alpha ' + str(b['alpha']) + ')'} "
+                f"{b['sim_tokens_per_s']:.1f} tok/s ({b['sim_tokens_per_s'] / static:.3f}x static, trees {b['trees']})"
+                for name, b in signals.items()) + "."]
+        if "oracle" in t:
+            o, oa = t["oracle"], t["oracle_ar"]
+            lines += ["", f"The future known (an upper bound of every schedule over this task's trees, reached with "
+                          f"trees {o['trees']} on {o['block']}-mask blocks): "
+                          f"{o['sim_tokens_per_s']:.1f} tok/s, {o['sim_tokens_per_s'] / static:.2f}x static "
+                          f"(tau {o['sim_tau']:.3f}); with plain AR steps too: {oa['sim_tokens_per_s']:.1f} tok/s, "
+                          f"{oa['sim_tokens_per_s'] / static:.2f}x static."]
+        lines.append("")
+    if "check" in report:
+        c = report["check"]
+        same = "outputs identical to AR" if c.get("matches_ar", True) else "SOME OUTPUTS DIFFER FROM AR"
+        if report.get("temperature") and "replay_exact" in c:
+            same = (f"sampled at T = {report['temperature']}; simulated on other draws; the replay of the decoder's "
+                    f"own outputs takes {'exactly its steps' if c['replay_exact'] else 'OTHER STEPS than it'}")
+        elif report.get("temperature"):
+            same = (f"sampled at T = {report['temperature']}; simulated on other draws; on the decoder's own outputs "
+                    f"the simulator's expected steps are within {100 * c['replay_max_abs_error']:.1f}% of its steps")
+        lines += [f"Simulator check on {c['prompts']} held-out prompts ({'' if report.get('temperature') else 'greedy, '}{same}): "
+                  f"max |error| {100 * c['max_abs_error']:.1f}%", "",
+                  "| tree | nodes | decoded tau | simulated tau | error | differs from AR |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['name']} | {r['nodes']} | {r['decoded_tau']:.3f} | {r['sim_tau']:.3f} | {100 * r['error']:+.1f}% "
+                  f"| {', '.join(map(str, r.get('differs_from_ar', []))) or '-'} |" for r in c["trees"]]
+        lines.append("")
+    lines.append(f"`{report['command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for task, t in report["tasks"].items():
+        rows = sorted(t["trees"], key=lambda r: r["nodes"])
+        axes[0].plot([r["nodes"] for r in rows], [r["sim_tau"] for r in rows], marker="o", label=task)
+        axes[1].plot([r["nodes"] for r in rows], [r["sim_tokens_per_s"] / t["sim_ar_tokens_per_s"] for r in rows],
+                     marker="o", label=task)
+    axes[0].set(xlabel="draft nodes", ylabel="simulated tau", xscale="log", title="acceptance")
+    axes[1].set(xlabel="draft nodes", ylabel="simulated tokens/s vs AR", xscale="log", title="throughput")
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
