@@ -42,7 +42,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from mtpkit.models.backbone import DEFAULT_BACKBONE, add_device_args, load_backbone, resolve_device, resolve_dtype
-from mtpkit.models.heads import run_script, write_atomic
+from mtpkit.models.atomic_write import write_atomic
+from mtpkit.models.generate import hf_static_compiled
+from mtpkit.models.process import run_script
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -170,11 +172,7 @@ def main(argv=None) -> dict:
     results["weight_MB"] = weight_bytes / 1e6
     results["hf_eager_ms"] = hf_decode_ms(model, tokenizer, device, args.tokens, args.repeats, disable_compile=True)
     if args.compile:
-        from transformers import CompileConfig
-
-        config = CompileConfig(mode="reduce-overhead" if device.type == "cuda" else "default")
-        config._compile_all_devices = True  # transformers compiles on CUDA only unless told
-        kwargs = dict(cache_implementation="static", compile_config=config)
+        kwargs = hf_static_compiled(device)
         t0 = time.perf_counter()
         hf_decode_ms(model, tokenizer, device, 2, 1, **kwargs)  # the first calls compile (1 and 2 tokens)
         results["compile_s"] = time.perf_counter() - t0

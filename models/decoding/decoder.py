@@ -18,19 +18,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
-
 from mtpkit.models.arch import adapter_for
+from mtpkit.models.decoding.cache import new_cache
 from mtpkit.models.generate import target_probs
 from mtpkit.models.decoding.verify import attention_inputs, verify_greedy, verify_sampling, walk_greedy
 from mtpkit.models.decoding.drafter import Drafter, StepOutput
-from mtpkit.models.trees import children_of
+from mtpkit.models.trees import children_of, tree_layout
 from mtpkit.models.packed_linear import PackedLinear, cpu_paths
 
 # on a packed LM head, steps of up to this many rows get their logits in one call. Reading the
 # weight dominates a large LM head's cost (SmolLM2's is 49152 x 576), so one call over up to 16
-# rows costs less than the ~3 one-row calls of a lazy greedy step (`eval/bench.py --prefetch-rows`
-# compares the two)
+# rows costs less than the ~3 one-row calls of a lazy greedy step
 PREFETCH_ROWS = 16
 
 
@@ -39,8 +37,9 @@ class Target:
     come from the architecture's adapter (`mtpkit.models.arch`): on a multi-byte LM head
     (EvaByte) `lm_head` gives the next-byte head's logits only, the target's own distribution."""
 
-    def __init__(self, model, gate=None, prefetch_rows: int | None = None):
+    def __init__(self, model, gate=None, prefetch_rows: int | None = None, cache: str = "slab"):
         self.model = model
+        self.cache = cache  # the decoding cache's kind (`mtpkit.models.decoding.cache.CACHES`)
         self.gate = gate  # gated-LoRA models: `gate(mask)` switches the adapter on for extra nodes
         self.adapter = adapter_for(model)
         self.body = self.adapter.body
@@ -51,6 +50,8 @@ class Target:
         # the CPU-only paths (lazy per-row LM head, per-node argmax reads) apply: see `decode`;
         # a test sets it False to run the device path on a CPU
         self.cpu_paths = cpu_paths(self.device)
+        self.uploads = 0  # host-to-device copies of the decoding loop (`upload`)
+        self._layouts: dict[int, tuple] = {}
         if prefetch_rows is None:
             prefetch_rows = PREFETCH_ROWS if isinstance(self.lm_head, PackedLinear) else 0
         self.prefetch_rows = prefetch_rows
@@ -65,6 +66,29 @@ class Target:
     def device(self):
         return self.embed.weight.device
 
+    def upload(self, values: list[int]) -> torch.Tensor:
+        """Host ints as a long tensor on the target's device: on a GPU from pinned memory without
+        blocking (the host goes on while the copy runs). Every host-to-device copy of the
+        decoder's loop goes through here; `uploads` counts them."""
+        self.uploads += 1
+        out = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cpu":
+            return out
+        return out.pin_memory().to(self.device, non_blocking=True)
+
+    def layout_on_device(self, layout: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A tree layout's (allowed, depth) on the device, copied once per layout (a bank's trees and
+        the `tree_layout` cache hold theirs for the whole run)."""
+        key = id(layout)
+        found = self._layouts.get(key)
+        if found is None or found[0] is not layout:
+            if len(self._layouts) >= 512:
+                self._layouts.pop(next(iter(self._layouts)))
+            self.uploads += 1
+            found = (layout, tuple(t.to(self.device, non_blocking=True) for t in layout))
+            self._layouts[key] = found
+        return found[1]
+
 
 @dataclass
 class DecodeResult:
@@ -77,30 +101,17 @@ class DecodeResult:
     seconds: float = 0.0
     target_seconds: float = 0.0   # time inside the target (body forwards + LM head rows); the rest
                                   # is decoder bookkeeping and drafting
+    prefill_tokens: int = 0       # input positions of the first step (the prompt, and a first draft)
+    prefill_seconds: float = 0.0  # the first step's time, drafting included: the rest are decoding steps
 
     @property
     def tau(self) -> float:
         return len(self.tokens) / max(self.target_calls, 1)
 
 
-def rollback_cache(cache: DynamicCache, keep: int, accepted: list[int] | torch.Tensor) -> None:
-    """Keep cache positions [0, keep) and the accepted positions `accepted` (absolute, >= keep;
-    host ints, or a tensor read once), moved to keep, keep+1, ...; everything else (rejected
-    nodes, extra nodes) is dropped. Accepted positions that already sit at keep, keep+1, ... (a
-    chain's accepted prefix) are kept by slicing, without copying the cache."""
-    positions = accepted.tolist() if isinstance(accepted, torch.Tensor) else list(accepted)
-    if positions == list(range(keep, keep + len(positions))):
-        keep, positions = keep + len(positions), []
-    index = None
-    for layer in cache.layers:
-        if positions:
-            if index is None:  # one host-to-device copy for every layer
-                index = torch.tensor(positions, device=layer.keys.device)
-            layer.keys = torch.cat([layer.keys[..., :keep, :], layer.keys[..., index, :]], dim=-2)
-            layer.values = torch.cat([layer.values[..., :keep, :], layer.values[..., index, :]], dim=-2)
-        else:
-            layer.keys = layer.keys[..., :keep, :]
-            layer.values = layer.values[..., :keep, :]
+def host_ints(values) -> list[int]:
+    """A draft's tree shape as host ints (a list or tuple as given; a CPU tensor read)."""
+    return list(values) if isinstance(values, (list, tuple)) else values.tolist()
 
 
 @torch.no_grad()
@@ -119,27 +130,31 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
     and at `max_new_tokens`), for streaming."""
     started = time.perf_counter()
     eos = set(eos_token_ids)
-    cache = DynamicCache(config=target.config)
+    # room for the whole reply and a wide step; the cache grows if a step would not fit
+    cache = new_cache(target.cache, target.config, len(prompt_ids) + max_new_tokens + 64, target.upload)
     drafter.sampling = temperature > 0
     drafter.temperature = temperature
     drafter.top_p = top_p
     drafter.begin(target, prompt_ids)
     tokens = list(prompt_ids)
     context = list(prompt_ids)  # fed as a causal chain; its last token is the root
-    cache_len = 0
-    result = DecodeResult(tokens=[])
+    context_ids = target.upload(context)  # the same on the device: after the first step a view of the
+    result = DecodeResult(tokens=[])      # last step's tensors (the bonus: the target's argmax)
     while len(result.tokens) < max_new_tokens:
         draft = drafter.propose(tokens)
         c, N, M = len(context), draft.num_nodes, draft.num_extras
-        root = c - 1
-        draft_parents = draft.parents.tolist() if N else []  # host data (`Draft`): no device read
+        root, cache_len = c - 1, cache.length
+        cache.reserve(c + N + M)
+        draft_parents = host_ints(draft.parents) if N else []  # host data (`Draft`): no device read
         # parents over the whole forward: a chain for the context, then drafts and extras
         # whose indices (0 = root) are shifted to sit after the context
         parents = list(range(-1, c - 1)) + [p + root for p in draft_parents]
         if M:
-            parents += [p + root for p in draft.extra_parents.tolist()]
-        # the draft tokens may be on the device (a drafter's argmax): they are not read here
-        ids = torch.cat([torch.tensor(context, device=target.device), draft.tokens.to(target.device)])
+            parents += [p + root for p in host_ints(draft.extra_parents)]
+        # draft tokens made on the device (a drafter's argmax) stay there, unread; host ints are uploaded
+        host_tokens = None if isinstance(draft.tokens, torch.Tensor) else list(draft.tokens)
+        draft_ids = None if not N else target.upload(host_tokens) if host_tokens is not None else draft.tokens
+        ids = torch.cat([context_ids, draft_ids.to(target.device)]) if N else context_ids
         embeds = target.embed(ids)[None]  # [1, c+N, d]
         if M:
             embeds = torch.cat([embeds, draft.extra_embeds.to(embeds)[None]], dim=1)
@@ -149,18 +164,17 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
             mask = None
             position_ids = torch.arange(cache_len, cache_len + len(parents), device=target.device)[None]
         else:
-            layout = draft.layout if c == 1 else None  # a bank's tree: laid out for a root-only context
-            mask, position_ids = attention_inputs(tuple(parents) if layout is None else (), cache_len,
-                                                  target.dtype, target.device, layout=layout)
+            layout = draft.layout if c == 1 and draft.layout is not None else tree_layout(tuple(parents))
+            mask, position_ids = attention_inputs((), cache_len, target.dtype, target.device,
+                                                  layout=target.layout_on_device(layout))
 
         gated = contextlib.nullcontext()
         if target.gate is not None:  # the adapter is on for the extra nodes (mask tokens) only
-            # built on the host: the gate reads its rows from the mask, which would be a sync on a GPU
-            gated = target.gate(torch.arange(c + N + M)[None] >= c + N)
+            gated = target.gate.suffix(c + N, c + N + M)
         t0 = time.perf_counter()
         with gated:
             out = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
-                              past_key_values=cache, use_cache=True,
+                              past_key_values=cache.hf, use_cache=True,
                               output_hidden_states=drafter.shared_layer is not None)
         hidden = out.last_hidden_state[0, root:]  # [1+N+M, d]
         shared = None if drafter.shared_layer is None else out.hidden_states[drafter.shared_layer][0]
@@ -168,6 +182,8 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         result.target_calls += 1
         result.draft_nodes += N
         result.forward_tokens += c + N + M
+        if result.target_calls == 1:
+            result.prefill_tokens = c + N + M
 
         if target.cpu_paths:
             computed: dict[int, torch.Tensor] = {}
@@ -186,21 +202,27 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
             every = target.lm_head(hidden).float()  # [1+N+M, V]
             result.target_seconds += time.perf_counter() - t1
 
-            def logits(rows: list[int]) -> torch.Tensor:
-                return every[rows]
+            def logits(rows: list[int]) -> torch.Tensor:  # a run of rows is a view: no index to copy
+                if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+                    return every[rows[0]: rows[0] + len(rows)]
+                return every[target.upload(rows)]
 
         children = draft.children if draft.children is not None else children_of(draft_parents, 1 + N)
         choices = None  # the target's argmax of every row, when read at once
         if temperature <= 0 and not target.cpu_paths:
             # the acceptance decision in one host read: every row's argmax, then the draft tokens
-            read = torch.cat([every.argmax(-1), draft.tokens.to(target.device)]).tolist()
-            choices, step_tokens = read[: len(hidden)], [context[-1]] + read[len(hidden):]
+            argmaxes = every.argmax(-1)
+            if host_tokens is None and N:
+                read = torch.cat([argmaxes, draft_ids]).tolist()
+                choices, step_tokens = read[: len(hidden)], [context[-1]] + read[len(hidden):]
+            else:
+                choices, step_tokens = argmaxes.tolist(), [context[-1]] + (host_tokens or [])
             accepted, last, bonus = walk_greedy(choices.__getitem__, children, step_tokens)
         elif temperature <= 0:
-            step_tokens = [context[-1]] + draft.tokens.tolist()
+            step_tokens = [context[-1]] + (host_tokens if host_tokens is not None else draft.tokens.tolist())
             accepted, last, bonus = verify_greedy(lambda n: logits([n])[0], children, step_tokens)
         else:
-            step_tokens = [context[-1]] + draft.tokens.tolist()
+            step_tokens = [context[-1]] + (host_tokens if host_tokens is not None else draft.tokens.tolist())
             accepted, last, bonus = verify_sampling(
                 lambda n: target_probs(logits([n]), temperature, top_p)[0], children, step_tokens,
                 draft.draft_probs, generator)
@@ -208,26 +230,32 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         keep = cache_len + c
         new = [step_tokens[a] for a in accepted] + [bonus]
         next_context = [bonus]
+        # the next context on the device, where it is already there: a view of this step's tensors
+        next_ids = argmaxes[last: last + 1] if choices is not None else None
         if drafter.drop_bonus(len(accepted), N):
             # e.g. MTPC's Algorithm 2: the newest kept token becomes the next root and is fed
             # again (its KV leaves the cache), so its state comes with the next forward
-            new, next_context = new[:-1], [step_tokens[accepted[-1]] if accepted else context[-1]]
+            node = accepted[-1] if accepted else 0
+            new, next_context = new[:-1], [step_tokens[node]]
+            next_ids = ids[root + node: root + node + 1]
             keep_nodes = accepted[:-1]
             keep -= 0 if accepted else 1
         else:
             keep_nodes = accepted
-        rollback_cache(cache, keep, [n + cache_len + c - 1 for n in keep_nodes])
-        cache_len = keep + len(keep_nodes)
+        cache.compact(keep, [n + cache_len + c - 1 for n in keep_nodes])
         for depth in range(len(accepted)):
             if depth == len(result.accept_counts):
                 result.accept_counts.append(0)
             result.accept_counts[depth] += 1
         drafter.observe(StepOutput(accepted=accepted, last_node=last, new_tokens=new, hidden=hidden,
                                    logits=logits, context_len=c, shared_hidden=shared, choices=choices))
+        if result.target_calls == 1:
+            result.prefill_seconds = time.perf_counter() - started
         sent = len(result.tokens)  # what on_tokens has had
         tokens += new
         result.tokens += new
         context = next_context
+        context_ids = next_ids if next_ids is not None else target.upload(context)
         hit = next((i for i, t in enumerate(new) if t in eos), None)
         if hit is not None:
             result.tokens = result.tokens[: len(result.tokens) - len(new) + hit + 1]

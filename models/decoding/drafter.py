@@ -27,41 +27,42 @@ import torch
 class Draft:
     """A draft tree for one verifier step.
 
-    tokens:        [N] draft tokens, on the CPU or the target's device (a drafter's argmax can
-                   stay there: the decoder reads them with its acceptance decision).
-    parents:       [N] parent of each draft node (0 = root, j = draft node j); on the CPU (the
-                   tree's shape is host data: the decoder reads it without a device sync).
+    tokens:        [N] draft tokens: host ints (a list: the decoder uploads them, without blocking)
+                   or a tensor on the target's device (a drafter's argmax stays there: the decoder
+                   reads it with its acceptance decision).
+    parents:       [N] parent of each draft node (0 = root, j = draft node j): host ints (the
+                   tree's shape is host data: the decoder reads it without touching a tensor).
     draft_probs:   [N, V] the drafter's distribution each token was drawn from, given its
                    parent's path; None means the tokens were chosen deterministically
                    (top-k, n-gram match), which speculative sampling treats as one-hot.
     extra_embeds:  [M, d] input embeddings of extra nodes (e.g. mask tokens), or None.
     extra_parents: [M] parent of each extra node, indexing the whole step (root, drafts, extras);
-                   on the CPU, as `parents`.
+                   host ints, as `parents`.
     layout:        the step's tree attention layout precompiled (`mtpkit.models.trees.tree_layout`
                    of [-1, parents..., extra_parents...]: a `TopologyBank` tree), used when the
                    step's context is the root alone; None: the decoder builds (and caches) it.
     children:      children of every step node 0..N (root and drafts), precompiled likewise.
     """
-    tokens: torch.Tensor
-    parents: torch.Tensor
+    tokens: list[int] | torch.Tensor
+    parents: list[int] | tuple[int, ...]
     draft_probs: torch.Tensor | None = None
     extra_embeds: torch.Tensor | None = None
-    extra_parents: torch.Tensor | None = None
+    extra_parents: list[int] | tuple[int, ...] | None = None
     layout: tuple[torch.Tensor, torch.Tensor] | None = None
     children: list[list[int]] | None = None
 
     @staticmethod
     def empty() -> "Draft":
-        return Draft(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long))
+        return Draft(tokens=[], parents=[])
 
     @staticmethod
     def chain(tokens: list[int]) -> "Draft":
         """A linear draft: each token the child of the previous one."""
-        return Draft(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.arange(len(tokens)))
+        return Draft(tokens=list(tokens), parents=list(range(len(tokens))))
 
     @property
     def num_nodes(self) -> int:
-        return int(self.tokens.numel())
+        return len(self.tokens)
 
     @property
     def num_extras(self) -> int:

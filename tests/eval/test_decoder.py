@@ -11,7 +11,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 import mtpkit.models.decoding.decoder as decoder_module
 from chisquare import chi2_pvalue, reference_probs
 from mtpkit.data.chat import load_examples, prompt_ids
-from mtpkit.models.decoding.decoder import Target, decode, rollback_cache
+from mtpkit.models.decoding.cache import CACHES, SlabCache, new_cache
+from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.generate import generate
 from mtpkit.models.decoding.verify import attention_inputs
 from mtpkit.models.decoding.drafter import Draft, Drafter
@@ -237,40 +238,56 @@ TREE_TOKENS = [11, 12, 13, 14, 15, 16]
 TREE_PARENTS = [0, 0, 1, 2, 2, 5]
 
 
+def _kv(cache, layer: int):
+    """(keys, values) a decoding cache holds for `layer`, its kept positions only."""
+    if isinstance(cache, SlabCache):
+        return cache.kv[layer, 0, ..., : cache.length, :], cache.kv[layer, 1, ..., : cache.length, :]
+    return cache.hf.layers[layer].keys, cache.hf.layers[layer].values
+
+
+@pytest.mark.parametrize("kind", CACHES)
 @pytest.mark.parametrize("prefill", [False, True], ids=["root-step", "prefill-step"])
 @pytest.mark.parametrize("accepted", [[2, 5, 6], [1, 3], [2], [1], []],
                          ids=["path-2-5-6", "path-1-3", "path-2", "path-1-in-place", "none"])
-def test_rollback_cache_equals_a_causal_cache_of_the_accepted_tokens(tiny, prefill, accepted):
-    """After a tree step (drafts and extra nodes) and rollback, the cache equals one built causally
-    from the accepted sequence, and the next token's logits are those of a fresh full forward."""
+def test_compacted_cache_equals_a_causal_cache_of_the_accepted_tokens(tiny, prefill, accepted, kind):
+    """After a tree step (drafts and extra nodes) and compaction, each decoding cache holds what a
+    cache built causally from the accepted sequence holds, and the next token's logits through it
+    are those of a fresh full forward. The slab starts too small for the step (it must grow)."""
     model, _ = tiny
     body = model.get_decoder()
     prompt = [5, 40, 41, 42, 43, 44, 45]
     with torch.no_grad():
         # the step's context: the whole prompt (prefill) or only the root after a cached past
         past, context = ([], prompt) if prefill else (prompt[:-1], prompt[-1:])
-        cache = _causal_cache(body, past) if past else DynamicCache(config=model.config)
+        cache = new_cache(kind, model.config, 4)
+        if past:
+            cache.reserve(len(past))
+            body(input_ids=torch.tensor([past]), past_key_values=cache.hf, use_cache=True)
+            cache.compact(len(past), [])
         c, root, N = len(context), len(context) - 1, len(TREE_TOKENS)
         extra_parents = [2, 6, N + 1]  # step indices: under drafts 2 and 6, and under the first extra
         parents = list(range(-1, c - 1)) + [p + root for p in TREE_PARENTS + extra_parents]
         embeds = torch.cat([model.get_input_embeddings()(torch.tensor(context + TREE_TOKENS)),
                             torch.randn(len(extra_parents), model.config.hidden_size, generator=torch.Generator().manual_seed(0))])
         mask, position_ids = attention_inputs(tuple(parents), len(past), torch.float32)
+        cache.reserve(len(parents))
         body(inputs_embeds=embeds[None], attention_mask=mask, position_ids=position_ids,
-             past_key_values=cache, use_cache=True)
+             past_key_values=cache.hf, use_cache=True)
 
         keep = len(past) + c
-        rollback_cache(cache, keep, torch.tensor(accepted, dtype=torch.long) + keep - 1)
+        cache.compact(keep, [a + keep - 1 for a in accepted])
         sequence = prompt + [TREE_TOKENS[a - 1] for a in accepted]
         fresh = _causal_cache(body, sequence)
-        assert cache.get_seq_length() == len(sequence)
-        for layer, ref in zip(cache.layers, fresh.layers):
-            torch.testing.assert_close(layer.keys, ref.keys, atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(layer.values, ref.values, atol=1e-5, rtol=1e-4)
+        assert cache.length == cache.hf.get_seq_length() == len(sequence)
+        for i, ref in enumerate(fresh.layers):
+            keys, values = _kv(cache, i)
+            torch.testing.assert_close(keys, ref.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(values, ref.values, atol=1e-5, rtol=1e-4)
 
         nxt = 77
+        cache.reserve(1)
         continued = model(input_ids=torch.tensor([[nxt]]), position_ids=torch.tensor([[len(sequence)]]),
-                          past_key_values=cache, use_cache=True).logits[0, -1]
+                          past_key_values=cache.hf, use_cache=True).logits[0, -1]
         full = model(input_ids=torch.tensor([sequence + [nxt]])).logits[0, -1]
         torch.testing.assert_close(continued, full, atol=1e-4, rtol=1e-4)
 

