@@ -69,7 +69,7 @@ tables: $(STAMP)
 
 # pytest exits 5 when it collected no test: an empty suite must fail, and say why.
 test: $(STAMP)
-	$(PY) -m pytest -q; rc=$$?; \
+	$(PY) -m pytest -q --durations=20; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)"; fi; exit $$rc
 
 clean:
