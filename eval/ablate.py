@@ -10,7 +10,7 @@ with the same budget, bench them all in one interleaved run, measure the base mo
    OUT/<variant> --max-steps N --resume auto <the variant's flags> <your extra flags>`, one after
    another, in a subprocess (prefixed by --launcher) logging to OUT/<variant>/train.log: the same
    recipe, data, steps and seed for all. Every variant's flags are first checked by the trainer's
-   own parser (`train/gated_lora.py --print-config`, before anything trains). Rerunning the same
+   own parser (`train/gated_lora.py --print-configs`, before anything trains). Rerunning the same
    command skips a variant whose checkpoint-N/ is complete (it has trainer_state.json:
    train/checkpoints.py) and resumes an interrupted one; a variant folder trained with other
    flags is refused.
@@ -203,7 +203,8 @@ def train_argv(args, extras: list[str], name: str) -> list[str]:
 
 def resolve(argvs: dict[str, list[str]]) -> dict[str, dict]:
     """Each variant's resolved trainer config, read through the trainer's one interface for it,
-    `python train/gated_lora.py --print-config ARGS` (one JSON line; eval/ may not import train/,
+    `python train/gated_lora.py --print-configs` (every variant's argument list in, one JSON line
+    each out, one process; eval/ may not import train/,
     tests/test_package_direction.py, and the trainer's own parser is the one authority on its
     flags); the first variant it refuses exits 2 with the trainer's line. A --detach run's
     background process takes the configs its foreground resolved for the same trainer command
@@ -212,17 +213,17 @@ def resolve(argvs: dict[str, list[str]]) -> dict[str, dict]:
     if handed.get("argvs") == argvs:
         say("the variants' configs as resolved before detaching")
         return handed["configs"]
+    proc = subprocess.run([sys.executable, str(TRAIN_SCRIPT), "--print-configs"], capture_output=True, text=True,
+                          input=json.dumps(list(argvs.values())))
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or len(lines) < len(argvs):
+        fail(f"could not read train/gated_lora.py's flags:\n{proc.stderr[-2000:]}", code=1)
     configs = {}
-    for name, argv in argvs.items():
-        proc = subprocess.run([sys.executable, str(TRAIN_SCRIPT), "--print-config", *argv], capture_output=True,
-                              text=True, stdin=subprocess.DEVNULL)
-        errors = proc.stderr.strip().splitlines()
-        if proc.returncode == 2 and errors:  # argparse's usage and one error line
-            fail(f"variant {name}: train/gated_lora.py refuses {shlex.join(argv)}: {errors[-1]}")
-        lines = proc.stdout.strip().splitlines()
-        if proc.returncode != 0 or not lines:
-            fail(f"could not read train/gated_lora.py's flags:\n{proc.stderr[-2000:]}", code=1)
-        configs[name] = json.loads(lines[-1])
+    for (name, argv), line in zip(argvs.items(), lines[-len(argvs):]):
+        config = json.loads(line)
+        if set(config) == {"error"}:
+            fail(f"variant {name}: train/gated_lora.py refuses {shlex.join(argv)}: {config['error']}")
+        configs[name] = config
     return configs
 
 

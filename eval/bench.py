@@ -63,7 +63,7 @@ from mtpkit.data.chat import DataError
 from mtpkit.data.eval_prompts import add_prompt_args, load_prompts
 from mtpkit.data.jsonl import check_output_file
 from mtpkit.models.decoding.decoder import Target, decode
-from mtpkit.eval.report import (dtype_table, summarise, timing_warnings, verdict_lines, write_markdown,
+from mtpkit.eval.report import (dtype_table, summarise, timing_warnings, write_markdown,
                                write_plot, write_tradeoff_plot)
 from mtpkit.eval.specs import MethodError, build_drafter, methods_help, parse_method
 from mtpkit.eval.step_rows import rows_forward_ms
@@ -361,8 +361,7 @@ def main(argv=None) -> dict:
         table = write_markdown(results, paths["md"])
         write_plot(results, paths["png"])
         write_tradeoff_plot(results, paths["tradeoff"])
-        print(table)  # WARNING lines above it, if any
-        print("\n".join(verdict_lines(results)))
+        print(table)  # WARNING lines (if any), the tables, the verdict
         print(f"[bench] wrote {paths['json']}, {paths['md']}, {paths['png']}")
         return results
     comparison = dtype_table(by_dtype)

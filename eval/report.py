@@ -276,7 +276,9 @@ def _spread_cell(r: dict) -> str:
 
 
 def write_markdown(results: dict, path: Path) -> str:
-    text = markdown_table(results)
+    """The bench's results as markdown: the tables, then what each method is and which one is
+    fastest here and why (`verdict_lines`)."""
+    text = markdown_table(results) + "\n" + "\n".join(verdict_lines(results)) + "\n"
     write_atomic(path, text)
     return text
 

@@ -27,7 +27,8 @@ def test_gpu_bench_dry_runs_on_cpu(tmp_path):
     assert {"ar", "probe:bc=30"} <= set(methods)
     for name, m in methods.items():
         assert m["tokens_per_s"] > 0 and m["matches_ar"], name
-        assert m["x_floor"] > 0 and m["x_rows"] > 0, name  # each step against the probe's floor and its rows
+        if m["tau"] is not None:  # a decoder run (hf_ar is timed by transformers: no steps of its own)
+            assert m["x_floor"] > 0 and m["x_rows"] > 0, name  # each step against the probe's floor and its rows
     table = (out / "gpu_bench.md").read_text()
     assert "| ar |" in table and "x floor" in table
     for stage in ("1/3", "2/3", "3/3"):

@@ -2,6 +2,7 @@
 config fields and every YAML in configs/, the learning-rate schedule, the log window, and what
 `--resume` says to a checkpoint of the earlier layouts."""
 
+import io
 import json
 import math
 import shutil
@@ -63,6 +64,20 @@ def test_print_config_prints_the_resolved_config_and_exits(capsys):
         assert issubclass(recipe.TrainConfig, engine.HeadTrainArgs)
         assert "trust_remote_code" not in vars(recipe.TrainConfig).get("__annotations__", {})
     assert (gated_lora.parse_args([]).max_length, mtpc.parse_args([]).max_length) == (384, 1024)
+
+
+def test_print_configs_resolves_each_argument_list_of_stdin(capsys, monkeypatch):
+    """--print-configs alone: one JSON line per argument list of the JSON list on stdin, the
+    resolved config or the one line the trainer refuses it with; exit 0 (eval/ablate.py's one
+    process for all its variants)."""
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps([["--k", "3"], ["--k", "0"], ["--rank", "x"]])))
+    with pytest.raises(SystemExit) as e:
+        gated_lora.parse_args(["--print-configs"])
+    assert e.value.code == 0
+    ok, bad_k, bad_rank = map(json.loads, capsys.readouterr().out.strip().splitlines())
+    assert ok["model"]["k"] == 3
+    assert set(bad_k) == {"error"} and "--k" in bad_k["error"] and "\n" not in bad_k["error"]
+    assert set(bad_rank) == {"error"} and "--rank" in bad_rank["error"]
 
 
 def test_lr_schedule_warms_up_stays_flat_then_decays():

@@ -189,9 +189,9 @@ def test_export_refuses_nonfinite_weights(data, tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
 def test_a_worker_dies_with_its_launcher(tmp_path):
-    """A parent (the launcher) starts a worker that calls engine.die_with_parent(), then is
+    """A parent (the launcher) starts a worker that calls output_dir.die_with_parent(), then is
     killed with SIGKILL (it cannot pass anything on): the kernel ends the worker."""
-    worker = ("import sys, time\nfrom mtpkit.train.engine import die_with_parent\ndie_with_parent()\n"
+    worker = ("import sys, time\nfrom mtpkit.train.output_dir import die_with_parent\ndie_with_parent()\n"
               "print('ready', flush=True)\ntime.sleep(120)\n")
     parent = ("import subprocess, sys, time\n"
               f"child = subprocess.Popen([sys.executable, '-c', {worker!r}], stdout=subprocess.PIPE)\n"
