@@ -45,10 +45,10 @@ from mtpkit.eval.report import write_training_plot
 from mtpkit.models.backbone import BYTE_LM, byte_tokenizer, cache_dir
 from mtpkit.models.atomic_write import write_atomic
 from mtpkit.models.process import run_script
-from mtpkit.train import engine
+from mtpkit.train import engine, recipe_config
 from mtpkit.train.checkpoints import save_checkpoint
 from mtpkit.train.config import NOT_EMPTY, Rule, at_least, one_of
-from mtpkit.train.engine import TrainArgs
+from mtpkit.train.recipe_config import TrainArgs
 
 
 @dataclasses.dataclass
@@ -117,12 +117,12 @@ RULES: tuple[Rule, ...] = (
     ("threads", *at_least(0)),
     ("dtype", *one_of(("auto", "float32", "fp32"))),
 )
-"""the recipe's own rules (after engine.TRAIN_RULES)"""
+"""the recipe's own rules (after recipe_config.TRAIN_RULES)"""
 
 
 def parse_args(argv=None) -> ByteLMConfig:
-    p = engine.argument_parser(ByteLMConfig, __doc__, "configs/byte_lm/*.yaml")
-    return engine.parse_config(p, ByteLMConfig, argv, RULES)
+    p = recipe_config.argument_parser(ByteLMConfig, __doc__, "configs/byte_lm/*.yaml")
+    return recipe_config.parse_config(p, ByteLMConfig, argv, RULES)
 
 
 def build_model(cfg: ByteLMConfig, tokenizer) -> LlamaForCausalLM:

@@ -44,10 +44,10 @@ from mtpkit.models.gated_lora import GatedLoRAConfig, GatedMTP
 from mtpkit.models.gated_lora.model import LCM_DISTANCES
 from mtpkit.models.process import run_script
 from mtpkit.models.registry import METHODS
-from mtpkit.train import engine
+from mtpkit.train import engine, recipe_config
 from mtpkit.train.checkpoints import save_checkpoint
 from mtpkit.train.config import NOT_EMPTY, Rule, above, at_least, one_of
-from mtpkit.train.engine import HeadTrainArgs
+from mtpkit.train.recipe_config import HeadTrainArgs
 
 
 @dataclasses.dataclass
@@ -70,10 +70,10 @@ class TrainConfig(HeadTrainArgs):
     model: GatedLoRAConfig = dataclasses.field(default_factory=GatedLoRAConfig)
 
 
-RULES: tuple[Rule, ...] = engine.HEAD_TRAIN_RULES + (
+RULES: tuple[Rule, ...] = recipe_config.HEAD_TRAIN_RULES + (
     # the float32 LoRA and sampler meet a float16 backbone's activations only under float16
     # autocast, which accelerate does not run on a CPU (MTPC's head casts its inputs itself)
-    ("dtype", lambda v, cfg: DTYPES.get(v) != torch.float16 or not engine.trains_on_cpu(cfg),
+    ("dtype", lambda v, cfg: DTYPES.get(v) != torch.float16 or not recipe_config.trains_on_cpu(cfg),
      "float32, bfloat16 or auto on a CPU (float16 trains on a GPU only)"),
     ("eval_prompts", *at_least(1)),
     ("eval_max_new_tokens", *at_least(1)),
@@ -89,12 +89,12 @@ RULES: tuple[Rule, ...] = engine.HEAD_TRAIN_RULES + (
     ("sampler_weight", *at_least(0)),
     ("lcm_weight", *at_least(0)),
 )
-"""the recipe's own rules (after engine.TRAIN_RULES)"""
+"""the recipe's own rules (after recipe_config.TRAIN_RULES)"""
 
 
 def parse_args(argv=None) -> TrainConfig:
-    p = engine.argument_parser(TrainConfig, __doc__, "configs/gated_lora/*.yaml")
-    return engine.parse_config(p, TrainConfig, argv, RULES)
+    p = recipe_config.argument_parser(TrainConfig, __doc__, "configs/gated_lora/*.yaml")
+    return recipe_config.parse_config(p, TrainConfig, argv, RULES)
 
 
 def build_features(cfg: TrainConfig, tokenizer, log) -> tuple[list[dict], set[str]]:

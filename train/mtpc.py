@@ -56,10 +56,10 @@ from mtpkit.models.mtpc import MTPCConfig, MTPCModel, window_loss, window_target
 from mtpkit.models.head_folder import head_folder, read_weights
 from mtpkit.models.process import run_script
 from mtpkit.models.registry import METHODS
-from mtpkit.train import engine
+from mtpkit.train import engine, recipe_config
 from mtpkit.train.checkpoints import save_checkpoint
 from mtpkit.train.config import Rule, above, at_least, between, one_of
-from mtpkit.train.engine import HeadTrainArgs
+from mtpkit.train.recipe_config import HeadTrainArgs
 
 DEFAULT_BYTE_BACKBONE = "mtpkit-byte-lm"
 
@@ -89,7 +89,7 @@ class TrainConfig(HeadTrainArgs):
     model: MTPCConfig = dataclasses.field(default_factory=MTPCConfig)
 
 
-RULES: tuple[Rule, ...] = engine.HEAD_TRAIN_RULES + (
+RULES: tuple[Rule, ...] = recipe_config.HEAD_TRAIN_RULES + (
     ("windows_per_sequence", *at_least(0)),
     ("gamma", *between(0, 1)),
     ("kl_weight", *at_least(0)),
@@ -103,17 +103,17 @@ RULES: tuple[Rule, ...] = engine.HEAD_TRAIN_RULES + (
     ("lora_rank", *at_least(1)),
     ("lora_alpha", *above(0)),
 )
-"""the recipe's own rules (after engine.TRAIN_RULES); --rank is --r, -n/--window is --n"""
+"""the recipe's own rules (after recipe_config.TRAIN_RULES); --rank is --r, -n/--window is --n"""
 
 
 def parse_args(argv=None) -> TrainConfig:
-    p = engine.argument_parser(TrainConfig, __doc__, "configs/mtpc/*.yaml")
+    p = recipe_config.argument_parser(TrainConfig, __doc__, "configs/mtpc/*.yaml")
     p.add_argument("--rank", dest="cfg__model__r", type=int, default=None, help="alias of --r: the circuit rank")
     # stock torchrun's parser rejects `--n` after the script name (an ambiguous abbreviation of its
     # --nnodes/--nproc-per-node/...) unless mtpkit's hook is installed (train/torchrun_args.py)
     p.add_argument("-n", "--window", dest="cfg__model__n", type=int, default=None,
                    help="alias of --n (works under a torchrun without mtpkit's hook, which rejects --n)")
-    return engine.parse_config(p, TrainConfig, argv, RULES, finish=_finish)
+    return recipe_config.parse_config(p, TrainConfig, argv, RULES, finish=_finish)
 
 
 def _finish(cfg: TrainConfig) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtpkit.train import byte_lm, engine, gated_lora, mtpc
+from mtpkit.train import byte_lm, engine, gated_lora, mtpc, recipe_config
 from mtpkit.train.schedule import lr_multiplier
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +22,7 @@ RECIPES = {"gated_lora": gated_lora, "mtpc": mtpc, "byte_lm": byte_lm}
                                         if p.parent.name in RECIPES), ids=str)
 def test_every_recipe_config_parses(path):
     cfg = RECIPES[path.parent.name].parse_args(["--config", str(ROOT / path)])
-    assert isinstance(cfg, engine.TrainArgs) and cfg.output_dir.startswith("runs/")
+    assert isinstance(cfg, recipe_config.TrainArgs) and cfg.output_dir.startswith("runs/")
     head = [line for line in (ROOT / path).read_text().splitlines() if line.startswith("#")]
     assert any(f"train/{path.parent.name}.py" in line or "launch/slurm_" in line for line in head)  # how to run it
 
@@ -61,7 +61,7 @@ def test_print_config_prints_the_resolved_config_and_exits(capsys):
         gated_lora.parse_args(["--print-config", "--k", "0"])
     assert e.value.code == 2 and "--k" in capsys.readouterr().err
     for recipe in (gated_lora, mtpc):
-        assert issubclass(recipe.TrainConfig, engine.HeadTrainArgs)
+        assert issubclass(recipe.TrainConfig, recipe_config.HeadTrainArgs)
         assert "trust_remote_code" not in vars(recipe.TrainConfig).get("__annotations__", {})
     assert (gated_lora.parse_args([]).max_length, mtpc.parse_args([]).max_length) == (384, 1024)
 

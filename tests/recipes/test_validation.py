@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 import pytest
 
-from mtpkit.train import byte_lm, engine, gated_lora, mtpc
+from mtpkit.train import byte_lm, gated_lora, mtpc, recipe_config
 from mtpkit.train.config import ConfigError, _flag_fields, check, from_dict, to_yaml
 
 RECIPES = {"gated_lora": gated_lora, "mtpc": mtpc, "byte_lm": byte_lm}
@@ -141,7 +141,7 @@ def test_every_rule_names_a_field_and_the_defaults_pass_them():
     for recipe in RECIPES.values():
         cfg = recipe.parse_args([])
         names = {path[-1] for path, _, _ in _flag_fields(type(cfg))}
-        rules = engine.TRAIN_RULES + recipe.RULES
+        rules = recipe_config.TRAIN_RULES + recipe.RULES
         assert {name for name, _, _ in rules} <= names, recipe.__name__
         check(cfg, rules)
 
