@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 
 # The main job on the embedded default: self-distil the built-in training prompts, train a small
 # gated-LoRA head for a few minutes, export it, then measure plain AR, prompt lookup, the
-# training-free probe and the gated-LoRA head (linear and quadratic decoding) through the shared
+# training-free probe and the gated-LoRA head (linear decoding) through the shared
 # speculative decoder on held-out built-in prompts.
 DEMO := $(RUNS)/demo
 # the demo's backbone (tiny-llama-random runs the whole pipeline in a minute, to check the wiring)
@@ -45,7 +45,7 @@ demo: $(STAMP)
 	@echo; echo "make demo: the bench of $(DEMO) (every output checked against AR; the model card: $(DEMO)/export/README.md)"; \
 		cat $(DEMO)/bench/results.md
 
-# The README's best gated-LoRA head from a fresh clone (<= 60 minutes on 2 CPU cores): self-distil
+# The README's best gated-LoRA head from a fresh clone (about an hour and a half on 2 CPU cores): self-distil
 # the built-in training prompts, train configs/gated_lora/smollm2-135m_k4_nosampler.yaml (base head
 # cross-entropy only, 800 steps; the cheaper step: mask blocks after a random quarter of the answer
 # tokens, NTP states cached), export the head with its model card, and bench AR, the probe and the
