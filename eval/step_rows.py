@@ -8,11 +8,9 @@ method's mean decoding-step time by it (`x_rows`): 1.00 would be a loop with no 
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
+from mtpkit.eval.device_probe import timed
 from mtpkit.models.decoding.cache import new_cache
 from mtpkit.models.decoding.decoder import Target
 
@@ -30,15 +28,12 @@ def rows_forward_ms(target: Target, rows: int, cache_len: int, repeats: int = 7)
     target.body(input_ids=past, past_key_values=cache.hf, use_cache=True)
     cache.compact(cache_len, [])
     positions = torch.arange(cache_len, cache_len + rows, device=device)[None]
-    times = []
-    for _ in range(repeats + 2):  # two warm-up calls
-        started = time.perf_counter()
+
+    def forward():
         hidden = target.body(input_ids=new, position_ids=positions, past_key_values=cache.hf,
                              use_cache=True).last_hidden_state[0]
-        logits = target.lm_head(hidden)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - started)
-        del logits
+        target.lm_head(hidden)
         cache.compact(cache_len, [])  # drop the rows again
-    return 1000 * statistics.median(times[2:])
+
+    forward()  # a second warm-up call beside timed's own
+    return 1000 * timed(forward, repeats, device)["median"]

@@ -76,9 +76,14 @@ class Target:
             return out
         return out.pin_memory().to(self.device, non_blocking=True)
 
-    def layout_on_device(self, layout: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def layout_on_device(self, layout: tuple[torch.Tensor, torch.Tensor],
+                         keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """A tree layout's (allowed, depth) on the device, copied once per layout (a bank's trees and
-        the `tree_layout` cache hold theirs for the whole run)."""
+        the `tree_layout` cache hold theirs for the whole run); `keep=False`: copied, not kept (a
+        prefill's layout spans its prompt and serves one step)."""
+        if not keep:
+            self.uploads += 1
+            return tuple(t.to(self.device, non_blocking=True) for t in layout)
         key = id(layout)
         found = self._layouts.get(key)
         if found is None or found[0] is not layout:
@@ -166,7 +171,7 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         else:
             layout = draft.layout if c == 1 and draft.layout is not None else tree_layout(tuple(parents))
             mask, position_ids = attention_inputs((), cache_len, target.dtype, target.device,
-                                                  layout=target.layout_on_device(layout))
+                                                  layout=target.layout_on_device(layout, keep=c == 1))
 
         gated = contextlib.nullcontext()
         if target.gate is not None:  # the adapter is on for the extra nodes (mask tokens) only
