@@ -70,6 +70,8 @@ from mtpkit.eval.step_rows import rows_forward_ms
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)
 from mtpkit.models.decoding.drafter import StockAR
+from mtpkit.models.decoding.host_reads import counting_reads
+from mtpkit.models.decoding.step import STEPS
 from mtpkit.models.generate import hf_static_compiled
 from mtpkit.models.atomic_write import write_atomic
 from mtpkit.models.process import run_script
@@ -134,6 +136,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a device probe's results (eval/device_probe.py --out) on this machine: each method's "
                         "decoding step is also given in multiples of the step floor it measured (x floor); use it "
                         "to see how far the runtime is from what the hardware allows")
+    p.add_argument("--step", choices=("auto",) + STEPS, default="auto",
+                   help="how every method's decoding steps run (AR's included, so all compare on one runtime): "
+                        "eager = dynamic shapes on the growing cache; static = one fixed-shape step per tree shape on "
+                        "a static cache; compile = those steps under torch.compile (compiled at first use, the "
+                        "seconds reported as compile_s); graph = captured as CUDA graphs (CUDA only); auto = graph "
+                        "on CUDA, eager on a CPU (default: %(default)s)")
     p.add_argument("--retune", action="store_true",
                    help="with --linear auto: measure the kernel plan again (and cache it) even if one is cached, "
                         "e.g. after the machine's load or software changed")
@@ -224,6 +232,7 @@ class Setup:
     hf_model: torch.nn.Module
     kernels: dict | None
     compile_s: dict = dataclasses.field(default_factory=dict)  # spec -> seconds of its first (compiling) call
+    host_reads: dict = dataclasses.field(default_factory=dict)  # spec -> mean host reads a decoding step
 
 
 def build(args, device: torch.device, dtype: torch.dtype) -> Setup:
@@ -253,7 +262,8 @@ def build(args, device: torch.device, dtype: torch.dtype) -> Setup:
     distinct = {id(model): model, **{id(a[0]): a[0] for a in adapted.values()}}
     to_pack = [m for m in distinct.values() if id(m) not in stock]
     kernels = pack_targets(model, [m for m in to_pack if m is not model], args.linear, retune=args.retune)
-    targets = {spec: Target(*a) for spec, a in adapted.items()}
+    step = args.step if args.step != "auto" else "graph" if device.type == "cuda" else "eager"
+    targets = {spec: Target(*a, step=step) for spec, a in adapted.items()}
     return Setup(dtype, model, tokenizer, eos_token_ids(model, tokenizer), drafters, targets, hf_model, kernels)
 
 
@@ -261,13 +271,23 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
     """Every prompt x every (dtype, method) pair, --rounds times, the pair order rotated per
     prompt and per round. Returns ({dtype name: [round: {spec: [run per prompt]}]}, load averages)."""
     pairs = [(d, m) for d in setups for m in range(len(args.methods))]
+    room = max(len(p["ids"]) for p in prompts) + args.max_new_tokens + 64  # a static cache's positions
     for setup in setups.values():
         for spec in setup.drafters:  # warm-up: first calls pay one-off costs
+            setup.targets[spec].max_len = room
             decode(setup.targets[spec], setup.drafters[spec], prompts[0]["ids"], 8)
         for spec, (name, cfg) in zip(args.methods, args.parsed):  # a compiling baseline: its compile, timed apart
             if METHODS[name].drafter is None and getattr(cfg, "compile", False):
                 setup.compile_s[spec] = run_hf(setup.hf_model, setup.tokenizer, name, cfg, prompts[0]["ids"], args,
                                                setup.eos)["seconds"]
+    for setup in setups.values():  # host reads a decoding step, counted on one untimed decode each
+        for spec, drafter in setup.drafters.items():
+            if setup.targets[spec].step == "compile":
+                continue  # patching torch's read methods would make torch.compile recompile its steps
+            with counting_reads(drafter) as steps:
+                decode(setup.targets[spec], drafter, prompts[0]["ids"], min(args.max_new_tokens, 32), args.temperature,
+                       args.top_p, setup.eos, torch.Generator(device).manual_seed(args.seed))
+            setup.host_reads[spec] = statistics.mean(steps[1:]) if len(steps) > 1 else None
     rounds, loads = {d: [] for d in setups}, []
     bar = tqdm(total=args.rounds * len(prompts) * len(pairs), desc="bench", unit="run")
     for r in range(args.rounds):
@@ -302,6 +322,12 @@ def step_floors(results: dict, setup: Setup, prompts: list[dict], args) -> None:
     for spec, r in results["methods"].items():
         if spec in setup.compile_s:
             r["compile_s"] = round(setup.compile_s[spec], 2)
+        target = setup.targets.get(spec)
+        if target is not None and target.steps is not None:  # fixed steps: capture/compilation, apart
+            r["compile_s"] = round(target.steps.compile_seconds, 2)
+            r["step"] = target.step
+        if setup.host_reads.get(spec) is not None:
+            r["host_reads_step"] = round(setup.host_reads[spec], 2)
         if r.get("decode_step_ms") is None:
             continue
         r["rows_ms"] = round(rows_forward_ms(setup.targets[spec], max(1, round(r["decode_rows"])), cache_len), 3)

@@ -34,6 +34,7 @@ import torch
 
 from mtpkit.data.chat import generation_prompt_ids, to_messages
 from mtpkit.models.decoding.decoder import DecodeResult, Target, decode
+from mtpkit.models.decoding.step import STEPS
 from mtpkit.eval.specs import build_drafter
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, BackboneError, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)
@@ -113,15 +114,19 @@ class Runner:
     """A backbone with one method's drafter attached, ready to generate many replies: the head
     (if any) loads once, and the target's products are packed as the bench packs them (`linear`:
     see eval/bench.py --linear; `model` is changed in place). `drafter`: the method's drafter
-    built already by `decoder_drafter` (as the CLI does, to check it before the model loads)."""
+    built already by `decoder_drafter` (as the CLI does, to check it before the model loads).
+    `step`: how decoding steps run (eval/bench.py --step; auto = CUDA graphs on CUDA, eager on a
+    CPU), `max_len`: a static cache's positions (prompt + reply) for the fixed-step modes."""
 
     def __init__(self, model, tokenizer, method: str = "ar", linear: str = "stock", fuse: bool = True,
-                 drafter=None):
+                 drafter=None, step: str = "auto", max_len: int = 4096):
         self.spec, self.tokenizer = method_spec(method), tokenizer
         self.drafter = drafter if drafter is not None else decoder_drafter(self.spec)
         target_model, gate = self.drafter.adapt(model, {})
         pack_targets(model, [target_model] if target_model is not model else [], linear, fuse)
-        self.target = Target(target_model, gate)
+        device = model.get_input_embeddings().weight.device
+        step = step if step != "auto" else "graph" if device.type == "cuda" else "eager"
+        self.target = Target(target_model, gate, step=step, max_len=max_len)
         self.eos = eos_token_ids(model, tokenizer)
 
     def generate(self, prompt: str | None = None, messages: list[dict] | None = None, max_new_tokens: int = 256,
@@ -188,6 +193,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the target's linear layers, as eval/bench.py --linear: auto = the kernel measured fastest "
                         "on this machine per row count (timed once, then cached), stock = torch's layers "
                         "(default: %(default)s)")
+    p.add_argument("--step", choices=("auto",) + STEPS, default="auto",
+                   help="how decoding steps run, as eval/bench.py --step: auto = captured CUDA graphs on CUDA "
+                        "(one per draft-tree shape, captured at first use), eager on a CPU; eager = dynamic shapes, "
+                        "static / compile = fixed-shape steps, run eagerly or under torch.compile (default: %(default)s)")
+    p.add_argument("--max-len", type=int, default=4096,
+                   help="with a fixed-step --step: the static cache's positions, prompt and reply together "
+                        "(default: %(default)s)")
     p.add_argument("--trust-remote-code", action="store_true", help="let the backbone run its own modelling code")
     add_device_args(p)
     args = p.parse_args(argv)
@@ -207,11 +219,15 @@ def main(argv=None) -> Reply:
         device = resolve_device(args.device)
         model, tokenizer = load_backbone(args.backbone, dtype=resolve_dtype(args.dtype, device),
                                          trust_remote_code=args.trust_remote_code, device=device)
-        runner = Runner(model, tokenizer, spec, linear=args.linear, drafter=drafter)
+        runner = Runner(model, tokenizer, spec, linear=args.linear, drafter=drafter, step=args.step,
+                        max_len=args.max_len)
     except (ValueError, FileNotFoundError, BackboneError) as e:  # MethodError is a ValueError
         sys.exit(f"generate: {e}")
-    reply = runner.generate(messages=messages, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed, on_text=lambda s: print(s, end="", flush=True))
+    try:
+        reply = runner.generate(messages=messages, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_p=args.top_p, seed=args.seed, on_text=lambda s: print(s, end="", flush=True))
+    except ValueError as e:  # e.g. a prompt and reply longer than a static cache's --max-len
+        sys.exit(f"generate: {e}")
     print(flush=True)
     print(f"[generate] {runner.spec}: {len(reply.tokens)} tokens, tau {reply.tau:.2f} "
           f"({reply.result.target_calls} target calls), {reply.tokens_per_s:.1f} tokens/s", file=sys.stderr)

@@ -30,6 +30,8 @@
 #   --tokens N        new tokens per prompt (default: 128)
 #   --rounds N        timed rounds of the bench (default: 2)
 #   --compile 0|1     also time transformers' static cache + torch.compile (default: 1)
+#   --step S          how every method's decoding steps run (eval/bench.py --step): auto = captured
+#                     CUDA graphs on CUDA, eager on a CPU; eager | static | compile | graph (default: auto)
 #   --out DIR         where everything goes; replaced (default: runs/gpu_bench)
 #   --python PY       interpreter (default: python)
 #   --stage DIR       write the two carry folders (see above) and exit
@@ -38,7 +40,7 @@
 set -euo pipefail
 DEVICE=auto DTYPE=float32 BACKBONE=smollm2-135m-instruct HEAD="" TREE=configs/trees/sparse24.json
 HUMANEVAL=../shared/data/humaneval.jsonl.gz GSM8K=../shared/data/gsm8k_test.jsonl PROMPTS=16 TOKENS=128
-ROUNDS=2 COMPILE=1 OUT=runs/gpu_bench PY=python STAGE="" STAGED="" FROM=""
+ROUNDS=2 COMPILE=1 STEP=auto OUT=runs/gpu_bench PY=python STAGE="" STAGED="" FROM=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE=$2 ;;
@@ -52,6 +54,7 @@ while [ $# -gt 0 ]; do
         --tokens) TOKENS=$2 ;;
         --rounds) ROUNDS=$2 ;;
         --compile) COMPILE=$2 ;;
+        --step) STEP=$2 ;;
         --out) OUT=$2 ;;
         --python) PY=$2 ;;
         --stage) STAGE=$2 ;;
@@ -89,7 +92,7 @@ fi
 
 rm -rf "$OUT" && mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-log "device $DEVICE, dtype $DTYPE, backbone $BACKBONE, $PROMPTS + $PROMPTS prompts, $TOKENS tokens, $ROUNDS rounds"
+log "device $DEVICE, dtype $DTYPE, step $STEP, backbone $BACKBONE, $PROMPTS + $PROMPTS prompts, $TOKENS tokens, $ROUNDS rounds"
 
 log "1/3 the device probe"
 "$PY" eval/device_probe.py --backbone "$BACKBONE" --device "$DEVICE" --dtype "$DTYPE" --compile "$COMPILE" \
@@ -103,7 +106,7 @@ if [ -n "$HEAD" ]; then
 fi
 "$PY" eval/bench.py --backbone "$BACKBONE" --device "$DEVICE" --dtype "$DTYPE" --data "$HUMANEVAL" "$GSM8K" \
     --limit "$PROMPTS" --max-new-tokens "$TOKENS" --rounds "$ROUNDS" --floor "$OUT/device.json" \
-    --methods "${METHODS[@]}" --out "$OUT/bench/results.json"
+    --step "$STEP" --methods "${METHODS[@]}" --out "$OUT/bench/results.json"
 
 log "3/3 the summary"
 "$PY" - "$OUT" <<'EOF'
@@ -117,6 +120,7 @@ for name, m in bench["methods"].items():
     rows.append({"method": name, "tokens_per_s": m.get("tokens_per_s"), "tau": m.get("tau"),
                  "speedup_vs_ar": m.get("speedup_vs_ar"), "decode_step_ms": m.get("decode_step_ms"),
                  "x_floor": m.get("x_floor"), "x_rows": m.get("x_rows"), "compile_s": m.get("compile_s"),
+                 "host_reads_step": m.get("host_reads_step"), "step": m.get("step"),
                  "matches_ar": m.get("matches_ar")})
 summary = {"device": probe.get("device_name", probe["device"]), "dtype": probe["dtype"], "torch": probe["torch"],
            "floor_ms": probe["floor_ms"], "bound": probe["bound"], "probe": probe, "methods": rows,
@@ -125,12 +129,13 @@ summary = {"device": probe.get("device_name", probe["device"]), "dtype": probe["
 cell = lambda v, f: "-" if v is None else format(v, f)
 lines = [f"device {summary['device']}, {summary['dtype']}, torch {summary['torch']}; floor {summary['floor_ms']:.3f} ms "
          f"a step ({summary['bound']}-bound)", "",
-         "| method | tokens/s | tau | x AR | ms a step | x floor | x rows | compile s | = AR |",
-         "|---|---|---|---|---|---|---|---|---|"]
+         "| method | step | tokens/s | tau | x AR | ms a step | x floor | x rows | host reads | compile s | = AR |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
 for r in rows:
-    lines.append(f"| {r['method']} | {cell(r['tokens_per_s'], '.1f')} | {cell(r['tau'], '.2f')} | "
+    lines.append(f"| {r['method']} | {r['step'] or '-'} | {cell(r['tokens_per_s'], '.1f')} | {cell(r['tau'], '.2f')} | "
                  f"{cell(r['speedup_vs_ar'], '.2f')} | {cell(r['decode_step_ms'], '.2f')} | {cell(r['x_floor'], '.2f')} | "
-                 f"{cell(r['x_rows'], '.2f')} | {cell(r['compile_s'], '.1f')} | {r['matches_ar']} |")
+                 f"{cell(r['x_rows'], '.2f')} | {cell(r['host_reads_step'], '.2f')} | {cell(r['compile_s'], '.1f')} | "
+                 f"{r['matches_ar']} |")
 (out / "gpu_bench.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF

@@ -13,6 +13,11 @@ of positions kept, read by the decoder for position ids and masks.
   sits in place costs nothing. Capacity grows by doubling when a step would not fit (the
   decoder reserves prompt + max_new_tokens + the first step's width up front, so it rarely
   does).
+- `StaticSlab` (the compiled step's, gpt-fast's layout): the same slab at a fixed capacity, the
+  length also a device scalar (`length_t`); a forward writes its rows by index at device positions
+  (`index_copy_`) and attends to the WHOLE slab under a mask that hides the positions past the
+  step, so every tensor of a step has a fixed shape and nothing in it reads the host: what a
+  captured CUDA graph or a `torch.compile`d step needs (`mtpkit.models.decoding.step`).
 - `DynamicKV`: transformers' `DynamicCache`, concatenated every layer every step and rolled
   back with a cat per layer: the eager decoder's cache, kept as the exactness oracle and for
   architectures whose attention is not transformers' `Cache.update` protocol.
@@ -147,7 +152,59 @@ class DynamicKV:
         self.length = keep + len(positions)
 
 
-CACHES = ("slab", "dynamic")
+class _StaticLayer(_SlabLayer):
+    """One layer of a `StaticSlab`: writes at the device positions `slab.write`, returns the whole
+    slab (the step's mask hides what lies past it)."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        slab = self.slab
+        if slab.kv is None:
+            slab._allocate(key_states)
+        self.is_initialized = True
+        kv = slab.kv[self.index]
+        if slab.write is None:  # an eager forward (a prefill): host positions, as the slab's
+            start, end = slab.length, slab.length + key_states.shape[-2]
+            kv[0, :, :, start:end].copy_(key_states)
+            kv[1, :, :, start:end].copy_(value_states)
+            return kv[0, :, :, :end], kv[1, :, :, :end]
+        kv[0].index_copy_(-2, slab.write, key_states)
+        kv[1].index_copy_(-2, slab.write, value_states)
+        return kv[0], kv[1]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return (self.slab.capacity if self.slab.write is not None else self.slab.length + query_length), 0
+
+
+class StaticSlab(SlabCache):
+    """See the module docstring: a `SlabCache` of fixed capacity whose steps write by device index.
+    `write` ([Q] device positions) is set by the step for its forward, None for an eager one;
+    `length_t` follows `length` on the device (updated by a device fill, never read back)."""
+
+    def __init__(self, num_layers: int, capacity: int, upload=None):
+        super().__init__(num_layers, capacity, upload)
+        self.hf = Cache(layers=[_StaticLayer(self, i) for i in range(num_layers)])
+        self.write: torch.Tensor | None = None
+        self.length_t: torch.Tensor | None = None
+
+    def _allocate(self, key_states: torch.Tensor) -> None:
+        B, H, _, D = key_states.shape
+        # zeros, not empty: attention reads the whole slab, and a masked position's weight (0)
+        # times an uninitialised value (possibly NaN) would be NaN
+        self.kv = key_states.new_zeros((self.num_layers, 2, B, H, self.capacity, D))
+        self.length_t = torch.zeros((), dtype=torch.long, device=key_states.device)
+
+    def reserve(self, rows: int) -> None:
+        if self.length + rows > self.capacity:
+            raise ValueError(f"static cache: a step of {rows} rows after {self.length} positions does not "
+                             f"fit its capacity {self.capacity}; give decode a larger max_len")
+
+    def compact(self, keep: int, accepted: list[int]) -> None:
+        super().compact(keep, accepted)
+        if self.length_t is not None:
+            self.length_t.fill_(self.length)
+
+
+CACHES = ("slab", "static", "dynamic")
 
 
 def new_cache(kind: str, config, capacity: int, upload=None) -> DecodeCache:
@@ -155,6 +212,8 @@ def new_cache(kind: str, config, capacity: int, upload=None) -> DecodeCache:
     positions to begin with; `upload` (host ints -> a device long tensor) makes its gather index."""
     if kind == "slab":
         return SlabCache(config.num_hidden_layers, capacity, upload)
+    if kind == "static":
+        return StaticSlab(config.num_hidden_layers, capacity, upload)
     if kind == "dynamic":
         return DynamicKV(config, upload)
     raise ValueError(f"unknown cache {kind!r}; choose one of {', '.join(CACHES)}")

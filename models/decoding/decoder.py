@@ -21,7 +21,9 @@ import torch
 from mtpkit.models.arch import adapter_for
 from mtpkit.models.decoding.cache import new_cache
 from mtpkit.models.generate import target_probs
-from mtpkit.models.decoding.verify import attention_inputs, verify_greedy, verify_sampling, walk_greedy
+from mtpkit.models.decoding.step import StepBank, check_step
+from mtpkit.models.decoding.verify import (accept_on_device, attention_inputs, path_to, verify_greedy,
+                                           verify_sampling, walk_greedy)
 from mtpkit.models.decoding.drafter import Drafter, StepOutput
 from mtpkit.models.trees import children_of, tree_layout
 from mtpkit.models.packed_linear import PackedLinear, cpu_paths
@@ -37,9 +39,16 @@ class Target:
     come from the architecture's adapter (`mtpkit.models.arch`): on a multi-byte LM head
     (EvaByte) `lm_head` gives the next-byte head's logits only, the target's own distribution."""
 
-    def __init__(self, model, gate=None, prefetch_rows: int | None = None, cache: str = "slab"):
+    def __init__(self, model, gate=None, prefetch_rows: int | None = None, cache: str = "slab",
+                 step: str = "eager", max_len: int = 2048):
         self.model = model
         self.cache = cache  # the decoding cache's kind (`mtpkit.models.decoding.cache.CACHES`)
+        # how a decoding step runs (`mtpkit.models.decoding.step.STEPS`): eager (dynamic shapes on
+        # `cache`), or one fixed-shape step per tree shape on a static slab of `max_len` positions
+        check_step(step, model.get_input_embeddings().weight.device)
+        self.step = step
+        self.max_len = max_len
+        self.steps: StepBank | None = None  # made at the first decode: the static slab and the steps
         self.gate = gate  # gated-LoRA models: `gate(mask)` switches the adapter on for extra nodes
         self.adapter = adapter_for(model)
         self.body = self.adapter.body
@@ -94,6 +103,12 @@ class Target:
             self._layouts[key] = found
         return found[1]
 
+    def begin_steps(self, rows: int):
+        """The static slab emptied for a decode of up to `rows` positions (the StepBank made once)."""
+        if self.steps is None:
+            self.steps = StepBank(self, self.step, self.max_len)
+        return self.steps.begin(rows)
+
 
 @dataclass
 class DecodeResult:
@@ -108,6 +123,7 @@ class DecodeResult:
                                   # is decoder bookkeeping and drafting
     prefill_tokens: int = 0       # input positions of the first step (the prompt, and a first draft)
     prefill_seconds: float = 0.0  # the first step's time, drafting included: the rest are decoding steps
+    compile_seconds: float = 0.0  # capturing or compiling fixed steps (`Target.step`), not in `seconds`
 
     @property
     def tau(self) -> float:
@@ -117,6 +133,35 @@ class DecodeResult:
 def host_ints(values) -> list[int]:
     """A draft's tree shape as host ints (a list or tuple as given; a CPU tensor read)."""
     return list(values) if isinstance(values, (list, tuple)) else values.tolist()
+
+
+def eager_forward(target: Target, drafter: Drafter, draft, cache, ids: torch.Tensor, parents: list[int],
+                  c: int, N: int, M: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One step's target forward with dynamic shapes (the prefill, and every step of the eager
+    decoder): [1+N+M, d] hidden states of the root onwards, and the shared layer's states."""
+    root, cache_len = c - 1, cache.length
+    embeds = target.embed(ids)[None]  # [1, c+N, d]
+    if M:
+        embeds = torch.cat([embeds, draft.extra_embeds.to(embeds)[None]], dim=1)
+    if all(p == i - 1 for i, p in enumerate(parents)):
+        # a plain chain (AR, prompt lookup): the model's own causal mask is exact and lets
+        # attention take its unmasked fast path
+        mask = None
+        position_ids = torch.arange(cache_len, cache_len + len(parents), device=target.device)[None]
+    else:
+        layout = draft.layout if c == 1 and draft.layout is not None else tree_layout(tuple(parents))
+        mask, position_ids = attention_inputs((), cache_len, target.dtype, target.device,
+                                              layout=target.layout_on_device(layout, keep=c == 1))
+    gated = contextlib.nullcontext()
+    if target.gate is not None:  # the adapter is on for the extra nodes (mask tokens) only
+        gated = target.gate.suffix(c + N, c + N + M)
+    with gated:
+        out = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
+                          past_key_values=cache.hf, use_cache=True,
+                          output_hidden_states=drafter.shared_layer is not None)
+    hidden = out.last_hidden_state[0, root:]  # [1+N+M, d]
+    shared = None if drafter.shared_layer is None else out.hidden_states[drafter.shared_layer][0]
+    return hidden, shared
 
 
 @torch.no_grad()
@@ -135,8 +180,11 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
     and at `max_new_tokens`), for streaming."""
     started = time.perf_counter()
     eos = set(eos_token_ids)
-    # room for the whole reply and a wide step; the cache grows if a step would not fit
-    cache = new_cache(target.cache, target.config, len(prompt_ids) + max_new_tokens + 64, target.upload)
+    static = target.step != "eager"  # fixed-shape steps on the Target's static slab
+    # room for the whole reply and a wide step; the dynamic cache grows if a step would not fit
+    room = len(prompt_ids) + max_new_tokens + 64
+    cache = target.begin_steps(room) if static else new_cache(target.cache, target.config, room, target.upload)
+    lazy = target.cpu_paths and not static  # the CPU's lazy per-row LM head (a fixed step computes every row)
     drafter.sampling = temperature > 0
     drafter.temperature = temperature
     drafter.top_p = top_p
@@ -160,29 +208,19 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         host_tokens = None if isinstance(draft.tokens, torch.Tensor) else list(draft.tokens)
         draft_ids = None if not N else target.upload(host_tokens) if host_tokens is not None else draft.tokens
         ids = torch.cat([context_ids, draft_ids.to(target.device)]) if N else context_ids
-        embeds = target.embed(ids)[None]  # [1, c+N, d]
-        if M:
-            embeds = torch.cat([embeds, draft.extra_embeds.to(embeds)[None]], dim=1)
-        if all(p == i - 1 for i, p in enumerate(parents)):
-            # a plain chain (AR, prompt lookup): the model's own causal mask is exact and lets
-            # attention take its unmasked fast path
-            mask = None
-            position_ids = torch.arange(cache_len, cache_len + len(parents), device=target.device)[None]
-        else:
-            layout = draft.layout if c == 1 and draft.layout is not None else tree_layout(tuple(parents))
-            mask, position_ids = attention_inputs((), cache_len, target.dtype, target.device,
-                                                  layout=target.layout_on_device(layout, keep=c == 1))
-
-        gated = contextlib.nullcontext()
-        if target.gate is not None:  # the adapter is on for the extra nodes (mask tokens) only
-            gated = target.gate.suffix(c + N, c + N + M)
         t0 = time.perf_counter()
-        with gated:
-            out = target.body(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
-                              past_key_values=cache.hf, use_cache=True,
-                              output_hidden_states=drafter.shared_layer is not None)
-        hidden = out.last_hidden_state[0, root:]  # [1+N+M, d]
-        shared = None if drafter.shared_layer is None else out.hidden_states[drafter.shared_layer][0]
+        if static and c == 1:  # a decoding step: its shape's fixed step (captured or compiled at first use)
+            key = tuple(parents)
+            layout = draft.layout if draft.layout is not None else tree_layout(key)
+            shape = target.steps.step(key, target.layout_on_device(layout), 1 + N, M, drafter.shared_layer is not None)
+            before = shape.compile_seconds
+            hidden, every, argmaxes, states = shape.run(ids, draft.extra_embeds)
+            result.compile_seconds += shape.compile_seconds - before
+            t0 += shape.compile_seconds - before
+            shared = None if states is None else states[drafter.shared_layer][0]
+        else:
+            hidden, shared = eager_forward(target, drafter, draft, cache, ids, parents, c, N, M)
+            every = argmaxes = None
         result.target_seconds += time.perf_counter() - t0
         result.target_calls += 1
         result.draft_nodes += N
@@ -190,7 +228,7 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         if result.target_calls == 1:
             result.prefill_tokens = c + N + M
 
-        if target.cpu_paths:
+        if lazy:
             computed: dict[int, torch.Tensor] = {}
 
             def logits(rows: list[int]) -> torch.Tensor:  # step rows (0 = root) -> [len(rows), V]
@@ -203,9 +241,10 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
                     result.target_seconds += time.perf_counter() - t1
                 return torch.stack([computed[r] for r in rows])
         else:  # the device path: every row in one LM-head call (on a GPU a row costs about nothing)
-            t1 = time.perf_counter()
-            every = target.lm_head(hidden).float()  # [1+N+M, V]
-            result.target_seconds += time.perf_counter() - t1
+            if every is None:
+                t1 = time.perf_counter()
+                every = target.lm_head(hidden).float()  # [1+N+M, V]
+                result.target_seconds += time.perf_counter() - t1
 
             def logits(rows: list[int]) -> torch.Tensor:  # a run of rows is a view: no index to copy
                 if rows and rows == list(range(rows[0], rows[0] + len(rows))):
@@ -214,15 +253,28 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
 
         children = draft.children if draft.children is not None else children_of(draft_parents, 1 + N)
         choices = None  # the target's argmax of every row, when read at once
-        if temperature <= 0 and not target.cpu_paths:
-            # the acceptance decision in one host read: every row's argmax, then the draft tokens
-            argmaxes = every.argmax(-1)
-            if host_tokens is None and N:
-                read = torch.cat([argmaxes, draft_ids]).tolist()
-                choices, step_tokens = read[: len(hidden)], [context[-1]] + read[len(hidden):]
-            else:
-                choices, step_tokens = argmaxes.tolist(), [context[-1]] + (host_tokens or [])
-            accepted, last, bonus = walk_greedy(choices.__getitem__, children, step_tokens)
+        if temperature <= 0 and not lazy:
+            # the acceptance decision in one host read: the path and length accepted on the device
+            # (a drafted tree), every row's argmax (the drafters read them), the device's draft tokens
+            if argmaxes is None:
+                argmaxes = every.argmax(-1)
+            device_tokens = host_tokens is None and N
+            chain = all(p == i for i, p in enumerate(draft_parents))
+            if N and c == 1:  # a decoding step's draft: accepted on the device
+                layout = None if chain else target.layout_on_device(
+                    draft.layout if draft.layout is not None else tree_layout(tuple(parents)))
+                best = accept_on_device(argmaxes, ids[: 1 + N], layout)
+                read = torch.cat([best[None], argmaxes] + ([draft_ids] if device_tokens else [])).tolist()
+                choices = read[1: 1 + len(hidden)]
+                step_tokens = [context[-1]] + (read[1 + len(hidden):] if device_tokens else host_tokens)
+                last = read[0]
+                accepted = path_to(last, draft_parents)
+                bonus = choices[last]
+            else:  # AR, or the prefill's draft: every row's argmax (and the draft tokens) read, walked here
+                read = torch.cat([argmaxes] + ([draft_ids] if device_tokens else [])).tolist()
+                choices = read[: len(hidden)]
+                step_tokens = [context[-1]] + (read[len(hidden):] if device_tokens else host_tokens or [])
+                accepted, last, bonus = walk_greedy(choices.__getitem__, children, step_tokens)
         elif temperature <= 0:
             step_tokens = [context[-1]] + (host_tokens if host_tokens is not None else draft.tokens.tolist())
             accepted, last, bonus = verify_greedy(lambda n: logits([n])[0], children, step_tokens)
@@ -255,7 +307,7 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         drafter.observe(StepOutput(accepted=accepted, last_node=last, new_tokens=new, hidden=hidden,
                                    logits=logits, context_len=c, shared_hidden=shared, choices=choices))
         if result.target_calls == 1:
-            result.prefill_seconds = time.perf_counter() - started
+            result.prefill_seconds = time.perf_counter() - started - result.compile_seconds
         sent = len(result.tokens)  # what on_tokens has had
         tokens += new
         result.tokens += new
@@ -269,5 +321,5 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         if hit is not None:
             break
     result.tokens = result.tokens[:max_new_tokens]
-    result.seconds = time.perf_counter() - started
+    result.seconds = time.perf_counter() - started - result.compile_seconds
     return result

@@ -30,6 +30,39 @@ def attention_inputs(parents: tuple[int, ...], cache_len: int, dtype: torch.dtyp
     return mask[None, None], (depth + cache_len)[None].to(device)
 
 
+def accept_on_device(argmaxes: torch.Tensor, step_tokens: torch.Tensor,
+                     layout: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Greedy acceptance on the device: the deepest step node whose every node on the path from the
+    root holds the target's argmax after its parent, as a 0-dim tensor (0 = nothing accepted).
+
+    `argmaxes` [>= 1+N] the target's argmax after each step row (root first), `step_tokens` [1+N]
+    the root's and the draft nodes' tokens, `layout` the step's tree (`tree_layout`: ancestor-or-self
+    mask and depths, root first; extra nodes after the drafts are ignored) on the device, None for
+    a chain. A chain accepts the length of its matching prefix, Medusa's cumulative product of
+    matches; a tree takes the same product along every root-to-node path at once through the
+    ancestor mask (a node is reachable when no ancestor mismatches), then the first deepest
+    reachable node. It accepts the tokens `walk_greedy` accepts (both are the target's own greedy
+    choices); where siblings hold one token it may keep another of them."""
+    n = step_tokens.shape[0]
+    if layout is None:
+        matches = step_tokens[1:] == argmaxes[: n - 1]
+        return matches.long().cumprod(0).sum()
+    allowed, depth = layout[0][:n, :n], layout[1][:n]
+    parent = (allowed & (depth[None, :] == depth[:, None] - 1)).long().argmax(-1)  # the root: 0, itself
+    holds = (step_tokens == argmaxes[parent]) | (depth == 0)
+    reachable = ~(allowed & ~holds[None, :]).any(-1)
+    return (depth * reachable).argmax()
+
+
+def path_to(node: int, parents: list[int]) -> list[int]:
+    """Draft nodes from the root (excluded) down to `node` (0: none), by the draft's host parents."""
+    path = []
+    while node:
+        path.append(node)
+        node = parents[node - 1]
+    return path[::-1]
+
+
 def verify_greedy(logits: Callable[[int], torch.Tensor], children: list[list[int]],
                   tokens: list[int]) -> tuple[list[int], int, int]:
     """Walk from the root while a child holds the target's argmax.

@@ -99,13 +99,14 @@ class Gate:
             self.rows, self.shape, self.span, self.all = previous
 
     @contextlib.contextmanager
-    def suffix(self, start: int, length: int):
+    def suffix(self, start: int, length: int, device=None):
         """`with gate(mask)` for a batch-1 forward of `length` rows whose gated rows are the run
         [start, length) (a decoding step's extra nodes), set from the two ints alone: no mask is
-        built or read (on a GPU, reading one back is a host sync)."""
+        built or read (on a GPU, reading one back is a host sync); `device`: where the rows' index
+        is made (a captured step copies nothing from the host)."""
         previous = self.rows, self.shape, self.span, self.all
         start = 0 if self.everywhere else start
-        self.rows, self.shape = torch.arange(start, length), torch.Size((1, length))
+        self.rows, self.shape = torch.arange(start, length, device=device), torch.Size((1, length))
         self.span = (start, length) if start < length else None
         self.all = start == 0
         try:

@@ -295,7 +295,7 @@ def test_rounds_repeat_the_interleaved_set_and_report_median_and_spread(tmp_path
     results = bench.main(["--backbone", "tiny-llama-random", "--data", "builtin:eval", "--per-category", "1",
                           "--max-new-tokens", "6", "--methods", "ar", "pld", "--linear", "stock", "--rounds", "3",
                           "--out", str(out)])
-    runs = calls[2:]  # after one warm-up call per method
+    runs = calls[4:]  # after one warm-up call and one host-read count per method
     assert len(runs) == 3 * 4 * 2  # rounds x prompts (one per category) x methods
     firsts = [runs[r * 8] for r in range(3)]  # the method that opens each round
     # ar, hf_ar (not a decode call), pld: rotated by one per round -> ar / hf_ar, pld / pld, ar

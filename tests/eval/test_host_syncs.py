@@ -21,13 +21,12 @@ Oracle drafters get long acceptances, so a read per accepted node would break th
 corrupt their drafts with Python's `random`, so they add no reads of their own.
 """
 
-import contextlib
-
 import pytest
 import torch
 
 from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.decoding.drafter import Drafter
+from mtpkit.models.decoding.host_reads import counting_reads
 from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
@@ -35,59 +34,16 @@ from tests.eval.test_gated_decoding import OracleGated
 from tests.eval.test_mtpc_decoding import make_head
 from tests.models.test_gated_lora import make_gated
 
-TENSOR_READS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "__complex__", "cpu", "numpy",
-                "__array__", "nonzero")
-TORCH_READS = ("equal", "allclose", "nonzero", "is_nonzero")
-
 BOUNDS = {"ar": 1, "probe": 2, "gated_lora": 1, "gated_lora_sampler": 2, "mtpc": 2}
 
 
 UPLOADS = 2  # host-to-device copies a drafter's step may make (AR: 0 after the first step)
 
 
-@contextlib.contextmanager
-def counting_reads(drafter, target=None):
-    """Count every host read while decoding; `steps` gets the reads of each step (a step starts
-    at the drafter's `propose`), and with `target`, `steps.uploads` its host-to-device copies."""
-    marks, count, uploads = [], [0], []
-
-    def counted(original):
-        def read(*args, **kwargs):
-            count[0] += 1
-            return original(*args, **kwargs)
-        return read
-
-    propose = drafter.propose
-
-    def marked(tokens):
-        marks.append(count[0])
-        if target is not None:
-            uploads.append(target.uploads)
-        return propose(tokens)
-
-    steps = Steps()
-    with pytest.MonkeyPatch.context() as mp:
-        for name in TENSOR_READS:
-            mp.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
-        for name in TORCH_READS:
-            mp.setattr(torch, name, counted(getattr(torch, name)))
-        mp.setattr(drafter, "propose", marked)
-        yield steps
-        marks.append(count[0])
-        if target is not None:
-            uploads.append(target.uploads)
-    steps += [b - a for a, b in zip(marks, marks[1:])]
-    steps.uploads = [b - a for a, b in zip(uploads, uploads[1:])]
-
-
 def device_target(model, gate=None) -> Target:
     target = Target(model, gate)
     target.cpu_paths = False  # the device path, on this CPU
     return target
-
-
-class Steps(list):
-    uploads: list[int]
 
 
 def reads_per_step(target, drafter, prompt, new_tokens=40):

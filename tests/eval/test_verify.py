@@ -216,3 +216,26 @@ def test_chi2_pvalue_sanity():
     assert chi2_pvalue(torch.tensor([500, 300, 200, 0]), probs) > 0.99
     assert chi2_pvalue(torch.tensor([600, 250, 150, 0]), probs) < 1e-3
     assert chi2_pvalue(torch.tensor([500, 300, 199, 1]), probs) == 0.0
+
+
+def test_acceptance_on_the_device_accepts_what_the_host_walk_accepts():
+    """Random chains and trees (extra nodes after the drafts, a 2-token vocabulary so siblings
+    share tokens): the device's deepest reachable node is a path of the target's argmaxes at
+    least as long as the host walk's, and the same path wherever siblings differ (chains)."""
+    import random
+
+    from mtpkit.models.decoding.verify import accept_on_device, path_to, walk_greedy
+    from mtpkit.models.trees import children_of, tree_layout
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        N = rng.randint(0, 12)
+        chain = rng.random() < 0.3
+        parents = [j - 1 if chain else rng.randint(0, j - 1) for j in range(1, N + 1)]
+        tokens = [rng.randrange(2) for _ in range(N + 1)]
+        argmaxes = [rng.randrange(2) for _ in range(N + 3)]
+        layout = None if chain else tree_layout(tuple([-1] + parents + [rng.randint(0, N) for _ in range(2)]))
+        got = path_to(int(accept_on_device(torch.tensor(argmaxes), torch.tensor(tokens), layout)), parents)
+        walked, _, _ = walk_greedy(argmaxes.__getitem__, children_of(parents, 1 + N), tokens)
+        assert all(tokens[b] == argmaxes[a] for a, b in zip([0] + got, got)), (parents, tokens, argmaxes, got)
+        assert len(got) >= len(walked) and (not chain or got == walked)
