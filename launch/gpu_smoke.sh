@@ -18,11 +18,13 @@
 #   --steps N           optimizer steps of each trainer (default: 20)
 #   --prompts N         prompts distilled (default: 16)
 #   --tokens N          new tokens per bench prompt (default: 64)
+#   --mtpc-flags "F"    extra train/mtpc.py flags, after the others (default: none; the test's CPU run
+#                       takes fewer windows a sequence)
 #   --out DIR           where everything goes; replaced (default: runs/gpu_smoke)
 #   --python PY         interpreter (default: python)
 set -euo pipefail
 DEVICE=auto DTYPE=bfloat16 BACKBONE=smollm2-135m-instruct BYTE_BACKBONE=mtpkit-byte-lm BYTE_LM_STEPS=300
-STEPS=20 PROMPTS=16 TOKENS=64 OUT=runs/gpu_smoke PY=python
+STEPS=20 PROMPTS=16 TOKENS=64 OUT=runs/gpu_smoke PY=python MTPC_FLAGS=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE=$2 ;;
@@ -33,15 +35,17 @@ while [ $# -gt 0 ]; do
         --steps) STEPS=$2 ;;
         --prompts) PROMPTS=$2 ;;
         --tokens) TOKENS=$2 ;;
+        --mtpc-flags) MTPC_FLAGS=$2 ;;
         --out) OUT=$2 ;;
         --python) PY=$2 ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
         *) echo "launch/gpu_smoke.sh: unknown flag $1 (see --help)" >&2; exit 2 ;;
     esac
     shift 2 || { echo "launch/gpu_smoke.sh: $1 needs a value" >&2; exit 2; }
 done
 cd "$(dirname "$0")/.."
 DEV=(--device "$DEVICE")
+read -r -a MTPC_EXTRA <<< "$MTPC_FLAGS"
 rm -rf "$OUT"
 mkdir -p "$OUT"
 log() { echo "[gpu_smoke $(date +%H:%M:%S)] $*"; }
@@ -76,7 +80,7 @@ log "4/6 byte-level self-distillation ($PROMPTS prompts) and MTPC: $STEPS steps,
     --batch-size 8 --out "$OUT/byte_distilled.jsonl" "${DEV[@]}" --dtype "$DTYPE"
 "$PY" train/mtpc.py --config configs/mtpc/byte-llama-12m_btree_n16.yaml --backbone "$BYTE_BACKBONE" \
     --data "$OUT/byte_distilled.jsonl" --output-dir "$OUT/mtpc" --max-steps "$STEPS" --save-every "$STEPS" \
-    --eval-every 0 "${DEV[@]}" --dtype "$DTYPE" --mixed-precision auto
+    --eval-every 0 "${DEV[@]}" --dtype "$DTYPE" --mixed-precision auto ${MTPC_EXTRA[@]+"${MTPC_EXTRA[@]}"}
 "$PY" train/export.py --checkpoint "$OUT/mtpc" --out "$OUT/mtpc_export"
 
 log "5/6 bench AR / probe / gated LoRA on $BACKBONE"

@@ -1,4 +1,6 @@
-"""launch/gpu_smoke.sh end to end on the CPU (`--device cpu`), on the tiny backbones."""
+"""launch/gpu_smoke.sh end to end on the CPU (`--device cpu`), on the tiny backbones, as small as
+every stage allows: one step of each trainer on 2 distilled prompts, the MTPC config's n = 16 head
+over 16 windows a sequence (its 256 take seconds a step on a CPU)."""
 
 import json
 import subprocess
@@ -13,7 +15,8 @@ def test_gpu_smoke_runs_every_stage_on_cpu(tmp_path):
     proc = subprocess.run(
         ["bash", str(ROOT / "launch/gpu_smoke.sh"), "--device", "cpu", "--dtype", "float32",
          "--backbone", "tiny-llama-random", "--byte-backbone", "tiny-byte-llama-random",
-         "--steps", "2", "--prompts", "4", "--tokens", "8", "--out", str(out), "--python", sys.executable],
+         "--steps", "1", "--prompts", "2", "--tokens", "8", "--mtpc-flags", "--windows-per-sequence 16 --grad-accum 1",
+         "--out", str(out), "--python", sys.executable],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     gated = json.loads((out / "bench/results.json").read_text())

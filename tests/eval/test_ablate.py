@@ -2,15 +2,20 @@
 one bench run over every head, the quality table (gated = base exactly, plain LoRA not), a
 detached rerun that trains nothing, and bad input refused before anything trains."""
 
+import contextlib
+import io
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from mtpkit.eval import ablate, ablate_report
+from mtpkit.eval import ablate, ablate_report, bench
+from mtpkit.train import gated_lora
 
 TINY_RECIPE = """# a tiny gated-LoRA recipe (the shape of configs/gated_lora/*.yaml)
 backbone: tiny-llama-random
@@ -47,8 +52,87 @@ def finished(pid: int) -> bool:
         return True
 
 
+class Ended:
+    """What a Popen of a command run in this process returns: a process that has ended."""
+
+    def __init__(self, args, returncode: int):
+        self.args, self.returncode = args, returncode
+
+    def poll(self) -> int:
+        return self.returncode
+
+    def wait(self, timeout=None) -> int:
+        return self.returncode
+
+
+class PartlyInProcess:
+    """eval/ablate.py's `subprocess` module in this test. The first trainer launch, the first
+    `--print-configs` and the detached rerun are real processes, so each of those paths stays
+    tested; the other trainer launches, the second `--print-configs` and the bench run their
+    script's main() in this process on the same argument list, with the same output file, exit
+    status and argv, which saves a Python start with torch and transformers (about 5 s on
+    2 cores) each."""
+
+    STDOUT, DEVNULL, TimeoutExpired = subprocess.STDOUT, subprocess.DEVNULL, subprocess.TimeoutExpired
+
+    def __init__(self):
+        self.real_left = {"train": 1, "resolve": 1}  # how many launches of each kind still start a process
+        self.in_process = []  # (kind, argv) of every launch run here
+
+    @staticmethod
+    def kind(cmd) -> str | None:
+        script = Path(cmd[1]) if len(cmd) > 1 else None
+        if script == ablate.TRAIN_SCRIPT:
+            return "resolve" if "--print-configs" in cmd else "train"
+        return "bench" if script == ablate.BENCH_SCRIPT else None
+
+    def here(self, cmd) -> bool:
+        kind = self.kind(cmd)
+        if kind is None or self.real_left.get(kind, 0) > 0:
+            if kind in self.real_left:
+                self.real_left[kind] -= 1
+            return False
+        self.in_process.append((kind, list(cmd[2:])))
+        return True
+
+    @staticmethod
+    def main(cmd, out, err, stdin="") -> int:
+        """The script's main() on cmd's arguments as its process would run it: exit status."""
+        script_main = bench.main if PartlyInProcess.kind(cmd) == "bench" else gated_lora.main
+        saved = sys.argv, sys.stdin
+        sys.argv, sys.stdin = [str(cmd[1]), *cmd[2:]], io.StringIO(stdin)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    script_main(list(cmd[2:]))
+                except SystemExit as e:
+                    if isinstance(e.code, str):
+                        print(e.code, file=sys.stderr)
+                        return 1
+                    return e.code or 0
+                return 0
+        finally:
+            sys.argv, sys.stdin = saved
+
+    def Popen(self, cmd, **kwargs):  # noqa: N802 (subprocess's name)
+        if not self.here(cmd):
+            return subprocess.Popen(cmd, **kwargs)
+        return Ended(cmd, self.main(cmd, kwargs["stdout"], kwargs["stdout"]))
+
+    def run(self, cmd, input=None, capture_output=False, **kwargs):
+        if not self.here(cmd):
+            return subprocess.run(cmd, input=input, capture_output=capture_output, **kwargs)
+        if capture_output:
+            out, err = io.StringIO(), io.StringIO()
+            code = self.main(cmd, out, err, input or "")
+            return subprocess.CompletedProcess(cmd, code, out.getvalue(), err.getvalue())
+        return subprocess.CompletedProcess(cmd, self.main(cmd, kwargs["stdout"], kwargs["stdout"]))
+
+
 def test_ablation_trains_benches_and_reruns_nothing(recipe, data, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    launcher = PartlyInProcess()
+    monkeypatch.setattr(ablate, "subprocess", launcher)
     out = tmp_path / "ablate"
     argv = ["--recipe", recipe, "--variants", ",".join(VARIANTS), "--max-steps", "2", "--data", str(data),
             "--out", str(out), *BENCH, "--lr", "1e-3"]  # --lr: a trainer flag, given to every variant
@@ -111,6 +195,8 @@ def test_ablation_trains_benches_and_reruns_nothing(recipe, data, tmp_path, monk
         assert f"{name}: skipped" in text
         assert (out / name / "train.log").stat().st_mtime_ns == logs[name]
     assert "bench: skipped" in text and (out / "bench" / "results.json").stat().st_mtime_ns == bench_mtime
+    # what ran in this process rather than as a process of its own
+    assert [kind for kind, _ in launcher.in_process] == ["train", "train", "bench", "resolve"]
 
 
 @pytest.mark.parametrize("flags, named", [

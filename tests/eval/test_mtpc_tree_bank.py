@@ -26,25 +26,35 @@ BRANCHY = "[[0],[1],[0,0],[0,1],[1,0]]"
 NEW = 30
 
 
+def fit(model, data, steps):
+    """`steps` Adam steps on the window loss of every (prompt, sequence) of `data`, the prompt's
+    positions masked. Without draft layers the features are the frozen backbone's (under no_grad):
+    computed once, not once a step."""
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    batches = []
+    for prompt, seq in data:
+        x = torch.tensor(seq)[None]
+        labels = torch.cat([x[:, 1:], torch.full((1, 1), -100)], 1)
+        labels[:, : len(prompt) - 1] = -100
+        targets, valid = window_targets(labels, model.cfg.n)
+        batches.append((x, model.features(x)[0] if model.draft is None else None, targets[0], valid[0]))
+    for _ in range(steps):
+        loss = 0
+        for x, features, targets, valid in batches:
+            params = model.head(model.features(x)[0] if features is None else features)
+            loss = loss + window_loss(params, targets, valid, torch.zeros(x.shape[1], dtype=torch.long), 1, 0.9)[0]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
 def fitted_head(backbone, target, arch, L, steps=60, noise=0.6):
     """A head fitted to the target's own greedy continuations of PROMPTS, then perturbed, so
     decoding sees full, partial and off-rank-0 acceptances and rejections."""
     torch.manual_seed(0)
     model = MTPCModel(backbone, MTPCConfig(arch=arch, n=4, r=3, lora_layers=L, lora_rank=4))
     seqs = [p + decode(target, Drafter(), p, NEW).tokens for p in PROMPTS]
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-2)
-    for _ in range(steps):
-        loss = 0
-        for seq, prompt in zip(seqs, PROMPTS):
-            x = torch.tensor(seq)[None]
-            labels = torch.cat([x[:, 1:], torch.full((1, 1), -100)], 1)
-            labels[:, : len(prompt) - 1] = -100
-            targets, valid = window_targets(labels, model.cfg.n)
-            params = model.head(model.features(x)[0])
-            loss = loss + window_loss(params, targets[0], valid[0], torch.zeros(x.shape[1], dtype=torch.long), 1, 0.9)[0]
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    fit(model, list(zip(PROMPTS, seqs)), steps)
     with torch.no_grad():  # the circuit's weights (not the draft layers' LoRA)
         for p in model.head.parameters():
             p.add_(noise * torch.randn_like(p))
@@ -159,19 +169,7 @@ def fitted_to_samples(backbone, target, temperature, draws=8, steps=40):
     model = MTPCModel(backbone, MTPCConfig(arch="btree", n=4, r=3))
     data = [(p, p + decode(target, Drafter(), p, NEW, temperature=temperature,
                            generator=torch.Generator().manual_seed(100 + s)).tokens) for p in PROMPTS for s in range(draws)]
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-2)
-    for _ in range(steps):
-        loss = 0
-        for prompt, seq in data:
-            x = torch.tensor(seq)[None]
-            labels = torch.cat([x[:, 1:], torch.full((1, 1), -100)], 1)
-            labels[:, : len(prompt) - 1] = -100
-            targets, valid = window_targets(labels, model.cfg.n)
-            params = model.head(model.features(x)[0])
-            loss = loss + window_loss(params, targets[0], valid[0], torch.zeros(x.shape[1], dtype=torch.long), 1, 0.9)[0]
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    fit(model, data, steps)
     return model.eval()
 
 

@@ -183,15 +183,13 @@ def test_autocast_follows_a_half_precision_backbone_unless_told():
         engine.autocast_precision("no", torch.bfloat16)
 
 
-def test_a_bfloat16_backbone_trains_float32_parameters(tmp_path):
+def test_a_bfloat16_backbone_trains_float32_parameters(tmp_path, capsys):
     """--dtype bfloat16 on the CPU: the backbone is bfloat16, the forward runs under bf16 autocast,
-    and the trained LoRA, mask embeddings and sampler stay (and are saved) float32. A process of
-    its own: accelerate's state, fixed by the first Accelerator of a process, would keep an earlier
-    test's mixed precision."""
-    import os
-    import subprocess
-    import sys
-
+    and the trained LoRA, mask embeddings and sampler stay (and are saved) float32. In this
+    process, with accelerate's state cleared before and after: that state, fixed by the first
+    Accelerator of a process, would otherwise keep an earlier test's mixed precision (and hand
+    this run's bf16 on to the next test)."""
+    from accelerate.state import AcceleratorState, GradientState
     from safetensors.torch import load_file
 
     data = tmp_path / "chat.jsonl"
@@ -199,13 +197,19 @@ def test_a_bfloat16_backbone_trains_float32_parameters(tmp_path):
                                                        {"role": "assistant", "content": f"{i + 1}. Done."}]})
                               for i in range(8)) + "\n")
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "train/gated_lora.py", "--backbone", "tiny-llama-random", "--data", str(data),
-                           "--k", "2", "--rank", "4", "--max-length", "64", "--max-steps", "2", "--eval-every", "0",
-                           "--device", "cpu", "--dtype", "bfloat16", "--output-dir", str(out)],
-                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=""), capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "cpu, backbone bfloat16" in proc.stdout
+
+    def fresh_state():
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+    fresh_state()
+    try:
+        gated_lora.main(["--backbone", "tiny-llama-random", "--data", str(data), "--k", "2", "--rank", "4",
+                         "--max-length", "64", "--max-steps", "2", "--eval-every", "0", "--device", "cpu",
+                         "--dtype", "bfloat16", "--output-dir", str(out)])
+    finally:
+        fresh_state()
+    assert "cpu, backbone bfloat16" in capsys.readouterr().out
     assert "mixed_precision: auto" in (out / "config.yaml").read_text()
     for name in ("adapter_model.safetensors", "mtp_head.safetensors"):
         tensors = load_file(str(out / "checkpoint-2" / "head" / name))

@@ -1,6 +1,7 @@
 """The real train/gated_lora.py on a tiny model: accelerate with 2 CPU processes (one process is
-`accelerate launch` as typed, tests/recipes/test_literal_commands.py), DeepSpeed ZeRO-2 on CPU,
-exact resume (also from the earlier checkpoint layout), export round trip, bad input."""
+`accelerate launch` as typed, tests/recipes/test_literal_commands.py; DeepSpeed ZeRO-2 on CPU and its
+resume by 2 processes, tests/recipes/test_multinode.py), exact resume (also from the earlier
+checkpoint layout), export round trip, bad input."""
 
 import copy
 import json
@@ -75,30 +76,6 @@ def test_accelerate_two_cpu_processes(data, tmp_path):
     assert proc.stdout.count("[model]") == 1 and "2 process(es), MULTI_CPU" in proc.stdout
     state = out / "checkpoint-4" / "state"
     assert all((state / f"rng_{rank}.{ext}").is_file() for rank in (0, 1) for ext in ("json", "safetensors"))
-
-
-def test_deepspeed_zero2_two_processes_and_resume(data, tmp_path):
-    # no --cpu: accelerate would then drop DeepSpeed for plain DDP; the script gives DeepSpeed gloo
-    out = tmp_path / "run"
-    common = ["--config_file", "configs/accelerate/deepspeed_zero2.yaml", "--num_processes", "2",
-              "train/gated_lora.py", *TINY, "--data", str(data), "--output-dir", str(out), "--save-every", "2",
-              "--eval-every", "0"]
-    proc = launch([*common, "--max-steps", "2"], tmp_path)
-    assert "[deepspeed] ZeRO stage 2 on 2 process(es)" in proc.stdout + proc.stderr
-    assert_checkpoint(out, 2)
-    shards = sorted(p.name for p in (out / "checkpoint-2" / "state" / "pytorch_model").iterdir())
-    assert [s for s in shards if s.startswith("zero_pp_rank")] == [
-        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # sharded
-    # DeepSpeed's state is pickled: --resume refuses it without --trust-checkpoint 1 (the check the
-    # trainer runs first, here on the files DeepSpeed wrote)
-    trainer_args = common[common.index("train/gated_lora.py") + 1:]
-    with pytest.raises(SystemExit, match="--trust-checkpoint 1") as refused:
-        checkpoints.resume_folder(gated_lora.parse_args([*trainer_args, "--max-steps", "4", "--resume", "auto"]))
-    assert "DeepSpeed's pickled state" in str(refused.value)
-    proc = launch([*common, "--max-steps", "4", "--resume", "auto", "--trust-checkpoint", "1"], tmp_path)
-    assert "[resume]" in proc.stdout + proc.stderr
-    assert_checkpoint(out, 4)
-    assert [r["step"] for r in steps(out / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("layout", ["current", "earlier"])

@@ -24,12 +24,23 @@ def steps(metrics: Path) -> list[dict]:
     return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
 
 
-def torchrun(args: list[str], timeout=300) -> subprocess.CompletedProcess:
+def torchrun(*runs: list[str], timeout=300) -> None:
+    """train/mtpc.py on 2 processes under torchrun, once per argument list in `runs`, all started
+    together (their Python starts overlap on the 2 cores), each its own rendezvous on a free port
+    (--standalone); every one must succeed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train/mtpc.py", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               "train/mtpc.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in runs]
+    try:
+        ends = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for proc, (_, err) in zip(procs, ends):
+        assert proc.returncode == 0, err[-3000:]
 
 
 def test_help_lists_every_flag(capsys):
@@ -62,8 +73,7 @@ def test_torchrun_two_processes_checkpoint_resume_and_export(data, tmp_path):
     common = [*TINY, "--data", str(data), "--arch", "btree", "-n", "4", "--lora-layers", "1", "--save-every", "2",
               "--eval-every", "2", "--max-steps", "4"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    torchrun([*common, "--output-dir", str(straight)])
-    torchrun([*common, "--output-dir", str(resumed), "--max-steps", "2"])
+    torchrun([*common, "--output-dir", str(straight)], [*common, "--output-dir", str(resumed), "--max-steps", "2"])
     torchrun([*common, "--output-dir", str(resumed), "--resume", "auto"])
     for ckpt in ("checkpoint-2", "checkpoint-4"):
         for name in ("head/head.safetensors", "head/mtpkit_config.json", "trainer_state.json", "config.yaml",

@@ -1,6 +1,7 @@
 """2-node jobs on one machine (launch/local_2node.sh: two launchers, one process per "node",
 rendezvous on 127.0.0.1): both trainers, torchrun DDP and accelerate + DeepSpeed ZeRO-2 and ZeRO-3
-(with the evaluation, which under ZeRO-3 needs every process); --max-grad-norm reaching DeepSpeed."""
+(with the evaluation, which under ZeRO-3 needs every process); --max-grad-norm reaching DeepSpeed;
+a DeepSpeed run resumed by one launcher of 2 processes (its sharded, pickled state)."""
 
 import json
 import os
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mtpkit.train import engine
+from mtpkit.train import checkpoints, engine, gated_lora
+from tests.recipes.test_gated_lora_recipe import assert_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 GATED = ["--backbone", "tiny-llama-random", "--k", "2", "--rank", "4", "--max-length", "128", "--log-every", "1",
@@ -68,14 +70,18 @@ def test_mtpc_torchrun_ddp_and_deepspeed_zero2_zero3_across_two_nodes(data, tmp_
     assert losses(ddp) == pytest.approx(losses(zero3), rel=1e-5)
 
 
-def test_gated_lora_zero2_and_zero3_with_evaluation_across_two_nodes(data, tmp_path):
+def test_gated_lora_zero2_and_zero3_with_evaluation_and_a_deepspeed_resume(data, tmp_path):
     """ZeRO-2 with --max-grad-norm 0.5 against the accelerate config's gradient_clipping 1.0 (the
     flag wins, with a note); ZeRO-3 with --eval-every, where every process takes part in the
-    simulated tau (the main process alone would wait for the others until --dist-timeout)."""
+    simulated tau (the main process alone would wait for the others until --dist-timeout).
+    Then the ZeRO-2 run resumed to step 4 by one launcher of 2 processes (`accelerate launch
+    --num_processes 2` with the DeepSpeed config; without --cpu, which would make accelerate drop
+    DeepSpeed for plain DDP: the trainer gives DeepSpeed gloo): its optimizer state, sharded per
+    process and pickled, is refused without --trust-checkpoint 1."""
     common = [*GATED, "--data", str(data), "--max-steps", "2", "--save-every", "2"]
     zero2, zero3 = tmp_path / "zero2", tmp_path / "zero3"
-    text = two_nodes("accelerate", "gated_lora", "ZERO2",
-                     [*common, "--eval-every", "0", "--max-grad-norm", "0.5", "--output-dir", str(zero2)])
+    zero2_args = [*common, "--eval-every", "0", "--max-grad-norm", "0.5", "--output-dir", str(zero2)]
+    text = two_nodes("accelerate", "gated_lora", "ZERO2", zero2_args)
     assert "gradient_clipping 1.0 of the DeepSpeed/accelerate config replaced by --max-grad-norm 0.5" in text
     assert "ZeRO stage 2 on 2 process(es); gradient clipping 0.5" in text  # read back from the DeepSpeed engine
     text = two_nodes("accelerate", "gated_lora", "ZERO3", [*common, "--eval-every", "2", "--output-dir", str(zero3)])
@@ -85,6 +91,27 @@ def test_gated_lora_zero2_and_zero3_with_evaluation_across_two_nodes(data, tmp_p
     for out in (zero2, zero3):
         assert (out / "checkpoint-2" / "head" / "adapter_model.safetensors").is_file()
     assert losses(zero2) == pytest.approx(losses(zero3), rel=1e-5)
+
+    assert_checkpoint(zero2, 2)
+    shards = sorted(p.name for p in (zero2 / "checkpoint-2" / "state" / "pytorch_model").iterdir())
+    assert [s for s in shards if s.startswith("zero_pp_rank")] == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]  # sharded
+    # DeepSpeed's state is pickled: --resume refuses it without --trust-checkpoint 1 (the check the
+    # trainer runs first, here on the files DeepSpeed wrote)
+    with pytest.raises(SystemExit, match="--trust-checkpoint 1") as refused:
+        checkpoints.resume_folder(gated_lora.parse_args([*zero2_args, "--max-steps", "4", "--resume", "auto"]))
+    assert "DeepSpeed's pickled state" in str(refused.value)
+    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_DISABLE_RICH="1", PYTHONPATH="")
+    proc = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                "configs/accelerate/deepspeed_zero2.yaml", "--num_processes", "2", "train/gated_lora.py", *zero2_args,
+                "--dist-timeout", "60", "--max-steps", "4", "--resume", "auto", "--trust-checkpoint", "1"], env, 240)
+    text = proc.stdout + proc.stderr
+    assert "[resume]" in text and "[deepspeed] ZeRO stage 2 on 2 process(es)" in text
+    assert_checkpoint(zero2, 4)
+    shards = sorted(p.name for p in (zero2 / "checkpoint-4" / "state" / "pytorch_model").iterdir())
+    assert [s for s in shards if s.startswith("zero_pp_rank")] == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert list(losses(zero2)) == [1, 2, 3, 4]
 
 
 def test_max_grad_norm_is_written_into_the_deepspeed_config():

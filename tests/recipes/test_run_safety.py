@@ -77,35 +77,41 @@ def gated_lora_command(data, out, *more):
 
 
 def test_two_trainers_into_one_output_dir_the_second_is_refused_at_once(data, tmp_path):
-    """Two real gated_lora.py processes into one folder: while the first runs (paused by SIGSTOP
-    the moment its pid is in the lock file, so the overlap does not depend on the machine's speed),
-    the second is refused with one line naming the first's pid, without waiting for it; the first,
-    let go on, logs each step once and its config.yaml is its own."""
+    """Two real gated_lora.py processes into one folder, started together (their imports overlap):
+    the first to take the lock is paused by SIGSTOP the moment its pid is in the lock file, so the
+    overlap does not depend on the machine's speed; the other is refused with one line naming the
+    first's pid, without waiting for it; the first, let go on, logs each step once and its
+    config.yaml is its own (its --lr)."""
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH="")
-    first = subprocess.Popen(gated_lora_command(data, out, "--max-steps", "8", "--lr", "0.001"), cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lock, deadline = out / ".mtpkit.lock", time.time() + 300
+    lrs = ("0.001", "0.002")
+    procs = [subprocess.Popen(gated_lora_command(data, out, "--max-steps", "8", "--lr", lr), cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for lr in lrs]
+    lock, deadline, first = out / ".mtpkit.lock", time.time() + 300, None
     try:
-        while first.poll() is None and time.time() < deadline:
-            if lock.exists() and lock.read_text().strip() == str(first.pid):
-                break
-            time.sleep(0.01)
-        assert first.poll() is None, first.communicate()[1][-2000:]
-        os.kill(first.pid, signal.SIGSTOP)  # it holds the lock and cannot end while the second starts
-        second = subprocess.run(gated_lora_command(data, out, "--max-steps", "8", "--lr", "0.002"), cwd=ROOT, env=env,
-                                capture_output=True, text=True, timeout=300)
+        while first is None and time.time() < deadline and any(p.poll() is None for p in procs):
+            holder = lock.read_text().strip() if lock.exists() else ""
+            first = next((p for p in procs if holder == str(p.pid)), None)
+            if first is None:
+                time.sleep(0.01)
+        assert first is not None and first.poll() is None, [p.communicate()[1][-2000:] for p in procs]
+        os.kill(first.pid, signal.SIGSTOP)  # it holds the lock and cannot end while the other starts
+        second = next(p for p in procs if p is not first)
+        _, second_err = second.communicate(timeout=300)
     finally:
-        os.kill(first.pid, signal.SIGCONT)
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
     _, first_err = first.communicate(timeout=600)
     assert first.returncode == 0, first_err[-2000:]
-    assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr[-3000:]
-    message = second.stderr.strip().splitlines()[-1]
+    assert second.returncode != 0 and "Traceback" not in second_err, second_err[-3000:]
+    message = second_err.strip().splitlines()[-1]
     assert f"pid {first.pid}" in message and str(out) in message, message
     assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == list(range(1, 9))
     assert [c.name for c in checkpoints.checkpoints(out)] == ["checkpoint-6", "checkpoint-8"]
-    assert "lr: 0.001" in (out / "config.yaml").read_text()
-    assert "lr: 0.001" in (out / "checkpoint-8" / "config.yaml").read_text()
+    lr = lrs[procs.index(first)]
+    assert f"lr: {lr}" in (out / "config.yaml").read_text()
+    assert f"lr: {lr}" in (out / "checkpoint-8" / "config.yaml").read_text()
 
 
 def hold_lock(out: Path) -> subprocess.Popen:
