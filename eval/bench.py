@@ -71,7 +71,7 @@ from mtpkit.models.backbone import (DEFAULT_BACKBONE, add_device_args, eos_token
                                     resolve_device, resolve_dtype)
 from mtpkit.models.decoding.drafter import StockAR
 from mtpkit.models.decoding.host_reads import counting_reads
-from mtpkit.models.decoding.step import STEPS
+from mtpkit.models.decoding.step import STEP_CHOICES, resolve_step
 from mtpkit.models.generate import hf_static_compiled
 from mtpkit.models.atomic_write import write_atomic
 from mtpkit.models.process import run_script
@@ -136,7 +136,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a device probe's results (eval/device_probe.py --out) on this machine: each method's "
                         "decoding step is also given in multiples of the step floor it measured (x floor); use it "
                         "to see how far the runtime is from what the hardware allows")
-    p.add_argument("--step", choices=("auto",) + STEPS, default="auto",
+    p.add_argument("--step", choices=STEP_CHOICES, default="auto",
                    help="how every method's decoding steps run (AR's included, so all compare on one runtime): "
                         "eager = dynamic shapes on the growing cache; static = one fixed-shape step per tree shape on "
                         "a static cache; compile = those steps under torch.compile (compiled at first use, the "
@@ -262,8 +262,7 @@ def build(args, device: torch.device, dtype: torch.dtype) -> Setup:
     distinct = {id(model): model, **{id(a[0]): a[0] for a in adapted.values()}}
     to_pack = [m for m in distinct.values() if id(m) not in stock]
     kernels = pack_targets(model, [m for m in to_pack if m is not model], args.linear, retune=args.retune)
-    step = args.step if args.step != "auto" else "graph" if device.type == "cuda" else "eager"
-    targets = {spec: Target(*a, step=step) for spec, a in adapted.items()}
+    targets = {spec: Target(*a, step=resolve_step(args.step, device)) for spec, a in adapted.items()}
     return Setup(dtype, model, tokenizer, eos_token_ids(model, tokenizer), drafters, targets, hf_model, kernels)
 
 

@@ -34,7 +34,7 @@ import torch
 
 from mtpkit.data.chat import generation_prompt_ids, to_messages
 from mtpkit.models.decoding.decoder import DecodeResult, Target, decode
-from mtpkit.models.decoding.step import STEPS
+from mtpkit.models.decoding.step import STEP_CHOICES, resolve_step
 from mtpkit.eval.specs import build_drafter
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, BackboneError, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)
@@ -124,8 +124,7 @@ class Runner:
         self.drafter = drafter if drafter is not None else decoder_drafter(self.spec)
         target_model, gate = self.drafter.adapt(model, {})
         pack_targets(model, [target_model] if target_model is not model else [], linear, fuse)
-        device = model.get_input_embeddings().weight.device
-        step = step if step != "auto" else "graph" if device.type == "cuda" else "eager"
+        step = resolve_step(step, model.get_input_embeddings().weight.device)
         self.target = Target(target_model, gate, step=step, max_len=max_len)
         self.eos = eos_token_ids(model, tokenizer)
 
@@ -193,7 +192,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the target's linear layers, as eval/bench.py --linear: auto = the kernel measured fastest "
                         "on this machine per row count (timed once, then cached), stock = torch's layers "
                         "(default: %(default)s)")
-    p.add_argument("--step", choices=("auto",) + STEPS, default="auto",
+    p.add_argument("--step", choices=STEP_CHOICES, default="auto",
                    help="how decoding steps run, as eval/bench.py --step: auto = captured CUDA graphs on CUDA "
                         "(one per draft-tree shape, captured at first use), eager on a CPU; eager = dynamic shapes, "
                         "static / compile = fixed-shape steps, run eagerly or under torch.compile (default: %(default)s)")

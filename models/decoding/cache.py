@@ -158,21 +158,18 @@ class _StaticLayer(_SlabLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         slab = self.slab
-        if slab.kv is None:
-            slab._allocate(key_states)
+        if slab.write is None:  # an eager forward (a prefill): host positions, as the slab's
+            return super().update(key_states, value_states, *args, **kwargs)
         self.is_initialized = True
         kv = slab.kv[self.index]
-        if slab.write is None:  # an eager forward (a prefill): host positions, as the slab's
-            start, end = slab.length, slab.length + key_states.shape[-2]
-            kv[0, :, :, start:end].copy_(key_states)
-            kv[1, :, :, start:end].copy_(value_states)
-            return kv[0, :, :, :end], kv[1, :, :, :end]
         kv[0].index_copy_(-2, slab.write, key_states)
         kv[1].index_copy_(-2, slab.write, value_states)
         return kv[0], kv[1]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return (self.slab.capacity if self.slab.write is not None else self.slab.length + query_length), 0
+        if self.slab.write is None:
+            return super().get_mask_sizes(query_length)
+        return self.slab.capacity, 0
 
 
 class StaticSlab(SlabCache):

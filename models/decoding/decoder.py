@@ -135,6 +135,12 @@ def host_ints(values) -> list[int]:
     return list(values) if isinstance(values, (list, tuple)) else values.tolist()
 
 
+def step_layout(target: Target, draft, parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoding step's tree layout on the device (the draft's precompiled one, else built from the
+    step's parents), copied once per layout."""
+    return target.layout_on_device(draft.layout if draft.layout is not None else tree_layout(tuple(parents)))
+
+
 def eager_forward(target: Target, drafter: Drafter, draft, cache, ids: torch.Tensor, parents: list[int],
                   c: int, N: int, M: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One step's target forward with dynamic shapes (the prefill, and every step of the eager
@@ -208,11 +214,11 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         host_tokens = None if isinstance(draft.tokens, torch.Tensor) else list(draft.tokens)
         draft_ids = None if not N else target.upload(host_tokens) if host_tokens is not None else draft.tokens
         ids = torch.cat([context_ids, draft_ids.to(target.device)]) if N else context_ids
+        layout = None  # a decoding step's tree layout on the device, once: its fixed step's and its acceptance's
         t0 = time.perf_counter()
         if static and c == 1:  # a decoding step: its shape's fixed step (captured or compiled at first use)
-            key = tuple(parents)
-            layout = draft.layout if draft.layout is not None else tree_layout(key)
-            shape = target.steps.step(key, target.layout_on_device(layout), 1 + N, M, drafter.shared_layer is not None)
+            layout = step_layout(target, draft, parents)
+            shape = target.steps.step(tuple(parents), layout, 1 + N, M, drafter.shared_layer is not None)
             before = shape.compile_seconds
             hidden, every, argmaxes, states = shape.run(ids, draft.extra_embeds)
             result.compile_seconds += shape.compile_seconds - before
@@ -261,9 +267,9 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
             device_tokens = host_tokens is None and N
             chain = all(p == i for i, p in enumerate(draft_parents))
             if N and c == 1:  # a decoding step's draft: accepted on the device
-                layout = None if chain else target.layout_on_device(
-                    draft.layout if draft.layout is not None else tree_layout(tuple(parents)))
-                best = accept_on_device(argmaxes, ids[: 1 + N], layout)
+                if not chain and layout is None:
+                    layout = step_layout(target, draft, parents)
+                best = accept_on_device(argmaxes, ids[: 1 + N], None if chain else layout)
                 read = torch.cat([best[None], argmaxes] + ([draft_ids] if device_tokens else [])).tolist()
                 choices = read[1: 1 + len(hidden)]
                 step_tokens = [context[-1]] + (read[1 + len(hidden):] if device_tokens else host_tokens)

@@ -17,7 +17,8 @@ with no host read and no host-to-device copy inside, so it can be
              one memory pool; the slab and the buffers are the Target's, so the captured
              addresses stay valid for every prompt),
 - `compile`: run under `torch.compile` (one compilation per shape; on a CPU it pays only where
-             it measures faster than the eager kernels: the bench's `--step` compares them).
+             it measures faster than the eager kernels: bench runs with `--step compile` and
+             `--step eager` show which).
 
 `eager` (no `ShapeStep`: the decoder's dynamic-shape forward on the growing slab) stays the
 exactness oracle. The prefill (the prompt) is always eager, on the same slab.
@@ -33,6 +34,16 @@ import torch
 from mtpkit.models.decoding.cache import StaticSlab
 
 STEPS = ("eager", "static", "graph", "compile")
+
+
+STEP_CHOICES = ("auto",) + STEPS  # what `--step` takes
+
+
+def resolve_step(step: str, device: torch.device) -> str:
+    """`auto`: captured CUDA graphs on CUDA, the eager step elsewhere; any other mode as given."""
+    if step != "auto":
+        return step
+    return "graph" if torch.device(device).type == "cuda" else "eager"
 
 
 def check_step(step: str, device: torch.device) -> None:
