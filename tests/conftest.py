@@ -1,9 +1,6 @@
 """Shared fixtures. Tiny random backbones are built once per session (seconds)."""
 
-import hashlib
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,16 +8,6 @@ import pytest
 from mtpkit.models.backbone import load_backbone
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
-# Every process of a DeepSpeed launch loads a C++ op (DeepSpeed's shared-memory collectives),
-# compiled once into torch's extensions folder, which by default every Python environment of the
-# user shares: a build from another environment (its own paths in the compiler flags) makes the
-# next launch here compile it again, 30-50 s on 2 cores. The tests' launches use a folder of
-# this environment's own, so it is compiled once per environment (a TORCH_EXTENSIONS_DIR set
-# beforehand is kept).
-ENVIRONMENT = hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]
-os.environ.setdefault("TORCH_EXTENSIONS_DIR",
-                      str(Path("~/.cache/torch_extensions").expanduser() / f"mtpkit-tests-{ENVIRONMENT}"))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -73,6 +73,8 @@ def setup(cfg: TrainArgs, old_layout: str):
     launched = "LOCAL_RANK" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
     if launched:
         die_with_parent()
+    if deepspeed and device.type == "cpu":
+        skip_shared_memory_collectives()
     group = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.dist_timeout),
                                    **({"backend": "gloo"} if cpu_processes else {}))
     out = Path(cfg.output_dir)
@@ -102,6 +104,17 @@ def train_device(flag: str, world: int, deepspeed: bool) -> torch.device:
         return resolve_device(flag)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+
+
+def skip_shared_memory_collectives() -> None:
+    """DeepSpeed on CPUs: its process group (started by the `Accelerator`) would first compile its
+    shared-memory collectives, a C++ op, 30-50 s on 2 cores once per Python environment. Only
+    its tensor-parallel inference all-reduce uses them; ZeRO's collectives are torch.distributed's
+    (gloo here). Marked unavailable, nothing is compiled and training is the same. (On GPUs the op
+    does not exist.)"""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def autocast_precision(flag: str, backbone: torch.dtype) -> str:
