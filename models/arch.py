@@ -12,13 +12,20 @@ An adapter gives:
   predicting x_{t+1+h} from e_t (H = 1 for an ordinary LM head; EvaByte: 8);
 - `layers`, `norm` and `run_layers(layers, hidden, position_ids, attention_mask, past_key_values)`:
   the decoder layers and how to run a slice of them on given hidden states at given positions
-  (MTPC's draft layers run the last L of them on the shared state).
+  (MTPC's draft layers run the last L of them on the shared state), and `layer_cache(L)`, the
+  cache such a slice keeps across calls;
+- `draft_room(position)`: how many draft nodes a step whose root sits at `position` may hold
+  (None: any; EvaByte: up to its attention window's end).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import DynamicCache
+
+from mtpkit.models.evabyte.eva import EvaBody, EvaWindowCache, draft_room, own_rows
+from mtpkit.models.evabyte.eva import run_layers as eva_run_layers
 
 
 class LlamaArch:
@@ -41,6 +48,12 @@ class LlamaArch:
 
     def head_weights(self) -> torch.Tensor:
         return self.lm_head.weight[None]  # [1, V, d]
+
+    def draft_room(self, position: int) -> int | None:
+        return None
+
+    def layer_cache(self, num_layers: int):
+        return DynamicCache()
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -85,20 +98,20 @@ class EvaByteArch(LlamaArch):
     - `lm_head = nn.Linear(hidden_size, vocab_size * num_pred_heads)`, and `forward` reshapes the
       logits to [B, T, num_pred_heads, V] and returns head 0 (the next byte) unless
       `return_all_pred_logits`: rows [h V, (h + 1) V) are head h, predicting x_{t+1+h};
-    - `EvaByteDecoderLayer.forward(hidden_states, attention_mask, position_ids, past_key_value,
-      output_attentions, use_cache, cos, sin, multibyte_decoding)` returns a tuple, hidden first;
-    - `cos, sin = model.rotary_emb(hidden_states, seq_len=past + T)` are tables [seq_len, head_dim],
-      indexed by the caller: `cos[position_ids].unsqueeze(1)`.
-    The adapter runs layers with that signature. Their attention (EVA) and cache (`EvaCache`) are
-    the backbone's own: mtpkit's decoder passes a dense 4D tree mask and a `DynamicCache` it rolls
-    back, which EVA does not take (see docs/mtpc.md). `layers` and `norm` are Llama's
-    (`body.layers`, `body.norm`)."""
+    - its attention is EVA (exact within a window of `config.window_size` positions, chunk
+      summaries of the finished windows before it) on its own `EvaCache`, which takes one byte
+      after the cache and no dense mask. So the body the decoder calls is `EvaBody`
+      (`mtpkit.models.evabyte.eva`): exact EVA over a step with a dense tree mask on an
+      `EvaWindowCache` (what `new_cache` makes for an evabyte model), the model's own forward
+      without a cache. Steps stay in one window: `draft_room`.
+    - `run_layers` runs a slice of the layers the same way (MTPC's draft layers), on a fresh
+      EVA cache or on `layer_cache(L)` kept across calls, which only appends."""
 
     name = "evabyte"
 
     def __init__(self, model):
         self.model = model
-        self.body = model.get_decoder()
+        self.body = EvaBody(model.get_decoder())
         heads = model.get_output_embeddings()
         self.vocab_size = V = model.config.vocab_size
         self.num_heads = getattr(model.config, "num_pred_heads", 1) or 1
@@ -107,22 +120,24 @@ class EvaByteArch(LlamaArch):
                              f"num_pred_heads = {V} x {self.num_heads}")
         self.heads = heads
         self.lm_head = NextByteHead(heads, V) if self.num_heads > 1 else heads
+        self.window = model.config.window_size
 
     def head_weights(self) -> torch.Tensor:
         return self.heads.weight.view(self.num_heads, self.vocab_size, -1)  # [H, V, d], head-major rows
 
+    def draft_room(self, position: int) -> int:
+        return draft_room(position, self.window)
+
+    def layer_cache(self, num_layers: int) -> EvaWindowCache:
+        return EvaWindowCache(num_layers, self.window, self.model.config.chunk_size)
+
     def run_layers(self, layers, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                    past_key_values=None) -> torch.Tensor:
-        """hidden [B, T, d] through `layers` at position_ids [B, T] (not normalised). The rotary
-        tables cover past + T positions, as EvaByteModel.forward asks for (no host sync)."""
-        past = 0 if past_key_values is None else past_key_values.get_seq_length()
-        cos, sin = self.body.rotary_emb(hidden, seq_len=past + hidden.shape[1])
-        cos, sin = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)  # [B, 1, T, head_dim]
-        for layer in layers:
-            hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_value=past_key_values, use_cache=past_key_values is not None,
-                           cos=cos, sin=sin)[0]
-        return hidden
+        """hidden [B, T, d] through `layers` at position_ids [B, T] (not normalised), exact EVA: on a
+        fresh cache (causal over T) or on `past_key_values` (a `layer_cache`), which keeps them."""
+        cache = past_key_values if past_key_values is not None else self.layer_cache(len(layers))
+        own = own_rows(attention_mask, cache.length)
+        return eva_run_layers(layers, self.body.rotary_emb, cache, hidden, position_ids, own, commit=True)
 
 
 ARCHS = {"evabyte": EvaByteArch}

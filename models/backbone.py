@@ -14,6 +14,7 @@ Anything else is a local folder or a Hugging Face model id (`trust_remote_code` 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -250,7 +251,25 @@ BACKBONES = {
 }
 
 
+def _model_type(name_or_folder: Path | str) -> str | None:
+    """`model_type` of a folder's or Hub model's config.json (None when it cannot be read: the
+    ordinary load below then says why)."""
+    path = Path(name_or_folder) / "config.json"
+    try:
+        if not path.is_file():
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(str(name_or_folder), "config.json"))
+        return json.loads(path.read_text()).get("model_type")
+    except Exception:  # noqa: BLE001 - any failure here is reported by the ordinary load
+        return None
+
+
 def _from_folder(folder: Path | str, dtype: torch.dtype, trust_remote_code: bool):
+    if _model_type(folder) == "evabyte":  # its remote code needs patches under transformers 5.x
+        from mtpkit.models.evabyte.load import load_evabyte
+
+        return load_evabyte(folder, dtype, trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     return model, tokenizer

@@ -22,7 +22,9 @@ of positions kept, read by the decoder for position ids and masks.
   back with a cat per layer: the eager decoder's cache, kept as the exactness oracle and for
   architectures whose attention is not transformers' `Cache.update` protocol.
 
-Another cache (e.g. a windowed one for EVA attention) implements the same four members.
+- `EvaWindowCache` (`mtpkit.models.evabyte.eva`): EvaByte's, whatever the kind asked for but
+  `static`: per layer the chunk summaries of the finished attention windows and the exact K/V of
+  the current one; compaction moves the accepted path within the window.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from mtpkit.models.evabyte.eva import EvaWindowCache
 
 
 class DecodeCache(Protocol):
@@ -206,7 +210,15 @@ CACHES = ("slab", "static", "dynamic")
 
 def new_cache(kind: str, config, capacity: int, upload=None) -> DecodeCache:
     """A decoding cache of `kind` (`CACHES`) for a model of `config`, with room for `capacity`
-    positions to begin with; `upload` (host ints -> a device long tensor) makes its gather index."""
+    positions to begin with; `upload` (host ints -> a device long tensor) makes its gather index.
+    An EvaByte model (EVA attention) decodes on its windowed EVA cache."""
+    if getattr(config, "model_type", None) == "evabyte":
+        if kind == "static":
+            raise ValueError("EvaByte (EVA attention) decodes on its windowed EVA cache, with the eager step: "
+                             "no static cache")
+        if kind not in CACHES:
+            raise ValueError(f"unknown cache {kind!r}; choose one of {', '.join(CACHES)}")
+        return EvaWindowCache(config.num_hidden_layers, config.window_size, config.chunk_size, upload)
     if kind == "slab":
         return SlabCache(config.num_hidden_layers, capacity, upload)
     if kind == "static":

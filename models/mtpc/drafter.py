@@ -31,6 +31,10 @@ projects only the sum weights its draws and conditionals read. Greedy chain draf
 head (the mode reads every unit); greedy trees, only the units of the positions
 their depth reaches (as sampled trees).
 
+On a backbone with windowed attention (EvaByte's EVA) a draft stops at the window's end
+(`adapter.draft_room`: the step's nodes must share the root's window); a root at the window's
+last position drafts nothing and keeps its bonus.
+
 `verify=path` verifies each byte with the input unit the draft's latent path selected (the
 distribution it was drawn from given the path) instead of the prefix marginal. Speculative
 sampling is exact for any proposal the drafter really drew from, and may condition on the
@@ -72,7 +76,6 @@ import json
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from mtpkit.models.mtpc.circuits import (CircuitParams, mode, next_log_probs_posterior, sample, sample_states,
                                     sample_tokens)
@@ -305,6 +308,8 @@ class MTPCDrafter(Drafter):
         return model, None
 
     def drop_bonus(self, accepted: int, proposed: int) -> bool:
+        if self.window_end:  # nothing drafted for want of room, not of a state: keep the bonus
+            return False
         if self.sampling:  # exact: only a bonus drawn from p itself may be redrawn next cycle, i.e.
             return accepted == self.draft_depth  # one after a leaf (a chain: every byte accepted)
         return accepted > 0 or proposed == 0
@@ -318,7 +323,11 @@ class MTPCDrafter(Drafter):
         self.e = None          # e_t of the newest byte that has a state (None: unknown)
         self.given: list[int] = []  # kept bytes after it, without a state (the bonus)
         self.length = 0        # bytes in the sequence before the current step
-        self.cache = DynamicCache() if self.model.draft is not None else None
+        draft = self.model.draft
+        # the draft layers' own cache (accepted positions only; EvaByte: an EVA cache)
+        self.cache = None if draft is None else self.model.adapter.layer_cache(len(draft.layers))
+        self.room = self.model.adapter.draft_room  # draft nodes allowed after a root (EvaByte: up to its window's end)
+        self.window_end = False  # the step in flight is a root with no room to draft: its bonus stays
         self.cached = 0        # positions the draft layers have processed
         self.draft_depth = 0   # depth of the draft in flight
         if self.tree is not None:
@@ -332,24 +341,30 @@ class MTPCDrafter(Drafter):
             self.value = None        # the path value that chose the tree in flight
 
     def propose(self, tokens: list[int]) -> Draft:
-        self.length, self.draft_depth = len(tokens), 0
-        if self.e is None:
+        self.length, self.draft_depth, self.window_end = len(tokens), 0, False
+        if self.e is None:  # (a state-only cycle: its bonus is dropped, the root fed again with a draft)
             return Draft.empty()
         m, n = len(self.given), self.n
+        room = self.room(len(tokens) - 1)  # the root is the newest token
+        if room is not None and room < n - m:  # the backbone's attention window ends first
+            if room == 0:  # the root ends the window: nothing may follow it, its bonus stays
+                self.window_end = True
+                return Draft.empty()
+            n = m + room
         self.draft_depth = n - m
         # positions of the circuit used: ff/cp/hmm cut to the marginal of the first n positions;
         # btree and cirkit circuits keep their window and the draft is its first n bytes (a
         # prefix of a window drawn from q is a draw from q's marginal: exact as well)
         span = n if self.model.cfg.arch in ("ff", "cp", "hmm") else self.model.cfg.n
         if self.tree is not None:
-            return self._propose_tree(span)
+            return self._propose_tree(span, n)
         evidence = observed = None
         if m:
             evidence = torch.zeros(1, span, dtype=torch.long, device=self.device)
             evidence[0, :m] = torch.tensor(self.given, device=self.device)
             observed = torch.arange(span, device=self.device)[None] < m
         if self.sampling:  # input units (and btree sum weights) on demand: see LazyUnits, LazyBTree
-            window, log_conditional = self._sample(evidence, observed, span)
+            window, log_conditional = self._sample(evidence, observed, span, n)
             return Draft(tokens=window[m:n], parents=list(range(n - m)),
                          draft_probs=LazyConditionals(log_conditional, m))
         window = mode(self._head_params(span), evidence, observed)[0, m:n]  # stays on the device: the verifier reads it
@@ -363,9 +378,9 @@ class MTPCDrafter(Drafter):
             params = CircuitParams(params.arch, params.log_phi[:, :span], params.root, inner)
         return params
 
-    def _propose_tree(self, span: int) -> Draft:
-        """The draft tree cut to the window the kept bytes leave (`draft_tree`); with a ladder or
-        hyst schedule, the tree is first chosen by the path value (`chain_value`)."""
+    def _propose_tree(self, span: int, n: int) -> Draft:
+        """The draft tree cut to the window the kept bytes leave (`draft_tree`), `n` bytes of it at
+        most; with a ladder or hyst schedule, the tree is first chosen by the path value (`chain_value`)."""
         m, deepest = len(self.given), self.deepest
         if self.sampling or isinstance(self.model.head, MTPCHead):
             # the conditionals read the units of positions < m + depth only: computed lazily
@@ -382,7 +397,7 @@ class MTPCDrafter(Drafter):
             self.position = self.schedule.next(self.position, self.value)
             index = self.schedule.trees[self.position]
             self.tree, self.levels = self.trees[index], self.levels_of[index]
-        depth = min(self.tree.depth, self.n - m)
+        depth = min(self.tree.depth, n - m)
         self.draft_depth = depth
         tokens, probs = draft_tree(params, span, self.given, self.tree, self.levels[:depth], self.device,
                                    self.gen if self.sampling else None, root)
@@ -398,10 +413,10 @@ class MTPCDrafter(Drafter):
         if self.schedule.switches:
             self.target_top1 = float(torch.softmax(step.logits([step.last_node]).float(), -1).max())
 
-    def _sample(self, evidence, observed, span: int):
-        """A window [span] drawn from the circuit of e given the kept bytes, and the function
-        giving its conditionals log q(X_i | window[:i])."""
-        m, n, head = len(self.given), self.n, self.model.head
+    def _sample(self, evidence, observed, span: int, n: int):
+        """A window [span] drawn from the circuit of e given the kept bytes (its first `n` bytes
+        read), and the function giving its conditionals log q(X_i | window[:i])."""
+        m, head = len(self.given), self.model.head
         dtype = UNIT_DTYPES[self.config.units]
         path = self.config.verify == "path"
         if self.model.cfg.arch == "btree" and self.cpu_paths:
