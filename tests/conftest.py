@@ -1,13 +1,46 @@
 """Shared fixtures. Tiny random backbones are built once per session (seconds)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from mtpkit.models.backbone import load_backbone
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+TESTS = Path(__file__).resolve().parent
+SHARED_DATA = TESTS.parents[1] / "shared" / "data"
+# Modules whose tests start multi-process launches (torchrun, accelerate, DeepSpeed, the SLURM
+# scripts): each launch keeps every core busy, and several take the launchers' default port 29500.
+# A module that starts such launches belongs here (see pytest_xdist_make_scheduler).
+LAUNCHES = {"tests/data/test_distill_sharded.py", "tests/recipes/test_gated_lora_recipe.py",
+            "tests/recipes/test_literal_commands.py", "tests/recipes/test_mtpc_recipe.py",
+            "tests/recipes/test_multinode.py", "tests/recipes/test_run_safety.py"}
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml's addopts): the whole suite runs on pytest-xdist's workers, one
+    per core (or PYTEST_XDIST_AUTO_NUM_WORKERS); a run of named files or tests runs in this
+    process, where starting workers (each imports torch and transformers) costs more than it saves."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    whole = all(Path(arg.split("::")[0]).resolve() == TESTS for arg in config.args)
+    return None if whole else 0
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """How the workers share the tests: a module runs whole on one worker (its module fixtures
+    built once), and the modules of LAUNCHES together on one, so their launches run one after
+    another as in a single process (no two on port 29500 at once, none sharing the cores with
+    another launch) while the other worker runs the in-process tests."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAndLaunches(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "launches" if module in LAUNCHES else module
+
+    return ModulesAndLaunches(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
