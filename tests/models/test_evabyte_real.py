@@ -132,7 +132,10 @@ def test_embeddings_without_a_cache_and_other_caches():
     target, x = Target(model), ids(20, seed=2)
     with torch.no_grad():
         want = model(input_ids=x).logits
-        got = target.lm_head(target.body(inputs_embeds=model.get_input_embeddings()(x)).last_hidden_state)
+        embeds = model.get_input_embeddings()(x)
+        with pytest.raises(AttributeError, match="shape"):  # modeling_evabyte.py:606, `input_ids.shape`
+            model.model(inputs_embeds=embeds)
+        got = target.lm_head(target.body(inputs_embeds=embeds).last_hidden_state)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         with pytest.raises(TypeError, match="EVA cache"):
             target.body(input_ids=x, past_key_values=torch.nn.Module())
