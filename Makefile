@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mtpkit-installed
 RUNS ?= runs
 
-.PHONY: demo test install clean tables gated-best
+.PHONY: demo test install clean tables gated-best medusa
 
 install: $(STAMP)
 
@@ -63,6 +63,24 @@ gated-best: $(STAMP)
 		gated_lora:head=$(BEST)/export,decoding=linear,k=2 gated_lora:head=$(BEST)/export,decoding=quadratic,k=2 \
 		gated_lora:head=$(BEST)/export,decoding=quadratic,k=3 gated_lora:head=$(BEST)/export,decoding=quadratic
 	$(PY) train/export.py --checkpoint $(BEST)/gated_lora --out $(BEST)/export --results $(BEST)/bench/results.json
+
+# Medusa-1 and Hydra heads on SmolLM2 from a fresh clone (docs/medusa.md): self-distil 64 built-in
+# training prompts, train both heads on the backbone's hidden states computed once (shared by the
+# two runs), export them, and bench AR and both heads (the 4-head chain and a 2-head chain) on the
+# held-out built-in prompts. Resumable: rerun it after an interruption.
+MEDUSA := $(RUNS)/medusa
+medusa: $(STAMP)
+	$(PY) data/distill.py --backbone smollm2-135m-instruct --data builtin:train --limit 64 --max-new-tokens 48 \
+		--batch-size 8 --out $(MEDUSA)/distilled.jsonl
+	for arch in medusa hydra; do \
+		$(PY) train/medusa.py --config configs/medusa/smollm2-135m_$$arch.yaml --data $(MEDUSA)/distilled.jsonl \
+			--output-dir $(MEDUSA)/$$arch --feature-cache $(MEDUSA)/features.safetensors --resume auto && \
+		$(PY) train/export.py --checkpoint $(MEDUSA)/$$arch --out $(MEDUSA)/$${arch}_export || exit 1; \
+	done
+	$(PY) eval/bench.py --backbone smollm2-135m-instruct --data builtin:eval --per-category 2 --max-new-tokens 96 \
+		--rounds 2 --out $(MEDUSA)/bench/results.json --methods ar medusa:head=$(MEDUSA)/medusa_export \
+		medusa:head=$(MEDUSA)/medusa_export,tree=chain2 hydra:head=$(MEDUSA)/hydra_export \
+		hydra:head=$(MEDUSA)/hydra_export,tree=chain2
 
 # The README's and docs/' results tables, rebuilt from docs/results/*.json (`eval/tables.py collect`
 # adds a bench run there); `make tables` is also what the sync test checks.

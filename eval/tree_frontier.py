@@ -1,7 +1,8 @@
-"""Draft trees for a mask-token drafter (a gated-LoRA head, or the training-free probe) or an MTPC
-circuit head, chosen before serving: an acceptance simulator, the tau / tokens-per-second frontier
-per task, a bank of non-dominated trees and calibrated schedules for the run-time policies (after
-"EntMTP: Accelerating LLM Inference with Entropy Guided Multi Token Prediction", Chen).
+"""Draft trees for a mask-token drafter (a gated-LoRA head, or the training-free probe), an MTPC
+circuit head or Medusa / Hydra heads, chosen before serving: an acceptance simulator, the tau /
+tokens-per-second frontier per task, a bank of non-dominated trees and calibrated schedules for the
+run-time policies (after "EntMTP: Accelerating LLM Inference with Entropy Guided Multi Token
+Prediction", Chen).
 
     python eval/tree_frontier.py --backbone smollm2-135m-instruct --head runs/gated_best/export \\
         --data humaneval.jsonl.gz gsm8k_test.jsonl builtin:eval --limit 12 --budgets 2,4,8,16 \\
@@ -20,7 +21,8 @@ The steps, one module of `mtpkit.eval.tree_search` each (their docstrings say ho
 Writes --out (the bank: trees, schedules per task, frontiers, costs, the check) and beside it a
 .md table and a .png (tau and tokens/s against draft nodes, per task). Use the bank with
 `eval/bench.py --methods gated_lora:head=DIR,tree=bank.json,schedule=static|ladder|hyst,task=T`
-(`--method probe`: `probe:tree=bank.json,masks=K,schedule=...,task=T`, K = --masks).
+(`--method probe`: `probe:tree=bank.json,masks=K,schedule=...,task=T`, K = --masks; `--method
+medusa | hydra`: `medusa:head=DIR,tree=bank.json,task=T`, the task's static tree).
 """
 
 from __future__ import annotations
@@ -54,9 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backbone", default=DEFAULT_BACKBONE, help="the target model (default: %(default)s)")
     p.add_argument("--method", default="gated_lora", choices=sorted(SUBJECTS),
                    help="the drafter whose trees are searched: gated_lora (a trained head, --head), probe (the "
-                        "training-free mask-token probe, --masks / --init / --lam) or mtpc (a circuit head on a byte "
-                        "backbone, --head, --max-depth; under sampling chains only)")
-    p.add_argument("--head", default="", help="gated_lora, mtpc: the head folder (train/export.py output)")
+                        "training-free mask-token probe, --masks / --init / --lam), mtpc (a circuit head on a byte "
+                        "backbone, --head, --max-depth; under sampling chains only), medusa or hydra (their heads, "
+                        "--head; trees as deep as the heads)")
+    p.add_argument("--head", default="", help="gated_lora, mtpc, medusa, hydra: the head folder (train/export.py "
+                                              "output)")
     p.add_argument("--sampler", type=int, default=-1, choices=[-1, 0, 1],
                    help="gated_lora: rank candidates by the sampler head (1) or the base head (0), as the bench "
                         "will decode with sampler=; -1 (auto, as the drafter's default): the sampler when the head "
@@ -162,8 +166,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for b in args.blocks:
         if b not in BLOCKS:
             p.error(f"--blocks {b!r}: each placement must be one of {', '.join(BLOCKS)}")
-    if args.method == "mtpc" and args.blocks != ["chain"]:
-        p.error("--blocks: an MTPC head's trees carry no mask blocks")
+    if args.method in ("mtpc", "medusa", "hydra") and args.blocks != ["chain"]:
+        p.error(f"--blocks: {args.method} trees carry no mask blocks")
     return args
 
 

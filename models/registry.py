@@ -2,16 +2,16 @@
 and `eval/bench.py` (which know no method by name beyond `ar`, the baseline).
 
 A method's entry lives in its home (`mtpkit.models.gated_lora`, `mtpkit.models.mtpc`,
-`mtpkit.models.probe`, `mtpkit.models.pld`); this file only lists them. To add a method: give
-it a home with its options dataclass, drafter and (if trained) save_head / load_head / card,
-and add its entry here.
+`mtpkit.models.medusa`, `mtpkit.models.probe`, `mtpkit.models.pld`); this file only lists them.
+To add a method: give it a home with its options dataclass, drafter and (if trained) save_head /
+load_head / card, and add its entry here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtpkit.models import gated_lora, mtpc, pld, probe
+from mtpkit.models import gated_lora, medusa, mtpc, pld, probe
 from mtpkit.models.decoding.drafter import Drafter, StockAR
 from mtpkit.models.method import Method
 
@@ -46,6 +46,8 @@ METHODS: dict[str, Method] = {
     "probe": probe.METHOD,
     "gated_lora": gated_lora.METHOD,
     "mtpc": mtpc.METHOD,
+    "medusa": medusa.METHOD,
+    "hydra": medusa.HYDRA_METHOD,
     "hf_ar": Method("hf_ar", "transformers' own generate() (peer baseline, no tau); compile=1: its static cache "
                              "+ torch.compile", HFAROptions, generate_kwargs=lambda options: {}),
     "hf_pld": Method("hf_pld", "transformers' generate() with prompt lookup", HFPLDOptions,

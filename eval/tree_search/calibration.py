@@ -10,7 +10,9 @@ probability at t and the base head's top-1 probability at every mask (the path v
 The probe: the same pass on the plain target with the probe's synthesised mask embeddings
 (`calibrate_probe`). MTPC: the circuit of every position's state over its window, the rank of
 each true byte in the exact conditional given the true bytes before it, and the top-1
-conditionals along the circuit's own top-1 chain (`calibrate_mtpc`).
+conditionals along the circuit's own top-1 chain (`calibrate_mtpc`). Medusa and Hydra heads: the
+target's state at every position and the rank of each true token among each head's candidates
+(`calibrate_heads`).
 
 `calibrate_tasks` runs the pass over every task's prompts (the last `--holdout` of each kept
 apart for the check); `--calibrations FILE` keeps it (`save_calibrations`, `load_calibrations`)
@@ -50,7 +52,8 @@ class Calibration:
     head_top1: torch.Tensor    # [n, k]
     cycle: str = "block"
     """how decoding moves on: "block" (a mask-token drafter: the block after the deepest accepted
-    node drafts the next tree) or "alg2" (MTPC, `calibrate_mtpc`)"""
+    node drafts the next tree), "heads" (Medusa, Hydra: the deepest accepted node's state drafts
+    the next tree, whatever node it is; `calibrate_heads`) or "alg2" (MTPC, `calibrate_mtpc`)"""
     accept: torch.Tensor | None = None
     """MTPC under speculative sampling only, [n, W]: accept[j, i-1] = min(1, q(y | ...) / p(y | ...))
     for the true byte y at window position i of anchor j, the probability that the verifier
@@ -204,6 +207,39 @@ def calibrate_mtpc(model, target: Target, ids: list[int], prompt_len: int, task:
             kept[rows.cpu(), :deep] = chain_log_top1(params, chain, 1, deep).exp().float().cpu()
     return Calibration(task, prompt_len, n, ranks, target_top1, head_top1, cycle="alg2",
                        accept=accept if sampled else None, head_top1_kept=kept if sampled else None, window=span)
+
+
+@torch.no_grad()
+def calibrate_heads(heads, target: Target, ids: list[int], prompt_len: int, task: str, max_rank: int,
+                    chunk: int = 256) -> Calibration:
+    """The pass for Medusa or Hydra heads (`mtpkit.models.medusa`): for anchor j (position t =
+    P - 1 + j) the target's last hidden state h_t; ranks[j, d-1] = the rank of the true token
+    x[t+1+d] among head d's candidates (Medusa: from h_t alone; Hydra: given the true tokens
+    x[t+1..t+d], the bonus first, which is the path a matching tree node sits on),
+    head_top1[j, d-1] = head d's top-1 probability there, target_top1[j] = the target's top-1
+    probability at t. The heads draft from the deepest accepted node's state after every step, so
+    every node of a tree drafts the next one (cycle "heads")."""
+    device = target.device
+    x = torch.tensor(ids, device=device)
+    n, P, K = len(ids) - prompt_len, prompt_len, heads.cfg.heads
+    states = target.body(input_ids=x[None]).last_hidden_state  # [1, T, d]
+    target_top1 = torch.softmax(target.lm_head(states[0, P - 1: P - 1 + n]).float(), -1).amax(-1).cpu()
+    h = heads.prefix_states(states)[0, P - 1: P - 1 + n]  # [n, d]: what the heads read (Hydra++: the prefix layer's)
+    padded = torch.cat([x, x.new_zeros(K + 1)])
+    ranks = torch.full((n, K), MISS, dtype=torch.long)
+    head_top1 = torch.zeros(n, K)
+    for s in range(0, n, chunk):
+        rows = torch.arange(s, min(s + chunk, n), device=device)
+        t = P - 1 + rows
+        for d in range(1, K + 1):
+            prev = torch.stack([padded[t + i] for i in range(1, d + 1)], -1) if heads.hydra else None
+            logits = heads.logits(d - 1, heads.hidden(d - 1, h[rows], prev), target.lm_head).float()  # [B, V]
+            y = padded[t + 1 + d]
+            r = (logits > logits.gather(1, y[:, None])).sum(-1)
+            valid = rows + d < n  # x[t+1+d] is a generated token
+            ranks[rows.cpu(), d - 1] = torch.where(valid & (r < max_rank), r, torch.full_like(r, MISS)).cpu()
+            head_top1[rows.cpu(), d - 1] = torch.softmax(logits, -1).amax(-1).cpu()
+    return Calibration(task, prompt_len, n, ranks, target_top1, head_top1, cycle="heads")
 
 
 CALIBRATION_ARGS = ("backbone", "method", "sampler", "masks", "init", "lam", "max_depth", "limit", "per_category",

@@ -22,8 +22,10 @@ def markdown(report: dict) -> str:
     decoding = (f"speculative sampling at T = {report['temperature']}, top-p {report['top_p']}"
                 if report.get("temperature") else "greedy decoding")
     head = {"gated_lora": "sampler head" if report["sampler"] else "base head", "probe": "mask logits",
-            "mtpc": "the circuit's exact conditionals"}[report["method"]]
+            "mtpc": "the circuit's exact conditionals", "medusa": "Medusa heads' top-k",
+            "hydra": "Hydra heads' top-k on each parent's path"}[report["method"]]
     shape = ("trees at most k bytes deep, no mask blocks, Algorithm 2's cycle" if report["method"] == "mtpc" else
+             "trees at most k heads deep, no mask blocks" if report["method"] in ("medusa", "hydra") else
              f"blocks = {report['blocks']}, as many masks per block as the tree has levels")
     lines = [f"Draft trees of {report['head']} on {report['backbone']} (k = {report['k']}, "
              f"{head}, {shape}); simulated {decoding}, step costs read off the cost curve of the forwards measured "

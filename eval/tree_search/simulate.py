@@ -7,10 +7,11 @@ bonus and moves to the deepest accepted node, whose own block (if the topology g
 drafts the next step; without one the next step drafts nothing. So the rollout of a tree (or a
 schedule switching trees by the path value) is decoding replayed, with the same steps as
 `mtpkit.models.gated_lora.drafter` takes, exact up to floating-point ties of the ranks (the
-held-out check, `mtpkit.eval.tree_search.check`, measures it). MTPC moves on by its Algorithm 2:
-no mask blocks; after an accepted draft the bonus is dropped and the last accepted byte's state
-drafts next; after a rejection the bonus is kept and a one-byte forward computes its state (a
-step without tokens).
+held-out check, `mtpkit.eval.tree_search.check`, measures it). Medusa and Hydra heads draft from
+the deepest accepted node's state, whatever node it is (no step drafts nothing). MTPC moves on by
+its Algorithm 2: no mask blocks; after an accepted draft the bonus is dropped and the last
+accepted byte's state drafts next; after a rejection the bonus is kept and a one-byte forward
+computes its state (a step without tokens).
 
 Under speculative sampling the same rollout holds: a tree's drafts are one-hot (the head's
 top-ranked tokens), so the verifier's recursive rejection accepts a node iff the token it
@@ -84,7 +85,8 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
         return rollout_sampled(cals, trees, schedule, replicas, seed)
     steps = tokens = 0
     anchors, accepted, used = [], [], []
-    block = 0 if any(cal.cycle == "alg2" for cal in cals) else depth  # MTPC: no mask blocks (`NAME@0`)
+    # MTPC, Medusa and Hydra: no mask blocks (`NAME@0`)
+    block = 0 if any(cal.cycle in ("alg2", "heads") for cal in cals) else depth
     for c, cal in enumerate(cals):
         ranks = cal.ranks.tolist()
         position = schedule.start()
@@ -109,8 +111,9 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
                 used.append(schedule.trees[position])
                 if alg2:  # the accepted bytes (the bonus dropped), or after a rejection the bonus alone
                     new, has = max(L, 1), L > 0
-                else:
-                    new, has = L + 1, (tree.index[tuple(ranks[j][:L])] if L else 0) in tree.block_nodes
+                else:  # Medusa, Hydra: every node's state drafts; a mask drafter: the nodes with a block
+                    new = L + 1
+                    has = cal.cycle == "heads" or (tree.index[tuple(ranks[j][:L])] if L else 0) in tree.block_nodes
             else:  # mask drafter: the root's block alone, and its bonus; MTPC: the kept bonus's state, no tokens
                 L, new, has = 0, 0 if alg2 else 1, True
                 used.append(None)

@@ -1,7 +1,7 @@
 """The drafter whose trees the tree search (`eval/tree_frontier.py --method`) searches: a
-gated-LoRA head, the training-free probe or an MTPC circuit head, each with its teacher-forced
-pass (`mtpkit.eval.tree_search.calibration`), the target its steps are priced on, and a drafter
-decoding one tree of a bank (the held-out check)."""
+gated-LoRA head, the training-free probe, an MTPC circuit head or Medusa / Hydra heads, each with
+its teacher-forced pass (`mtpkit.eval.tree_search.calibration`), the target its steps are priced
+on, and a drafter decoding one tree of a bank (the held-out check)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from mtpkit.eval.tree_search.calibration import Calibration, calibrate, calibrate_mtpc, calibrate_probe
+from mtpkit.eval.tree_search.calibration import (Calibration, calibrate, calibrate_heads, calibrate_mtpc,
+                                                 calibrate_probe)
 from mtpkit.models.decoding.decoder import Target
 from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.gated_lora.head import load_head
@@ -115,7 +116,41 @@ def mtpc_subject(args, base) -> Subject:
                    masks=False, chains_only=args.temperature > 0, kernels=kernels)
 
 
-SUBJECTS = {"gated_lora": gated_subject, "probe": probe_subject, "mtpc": mtpc_subject}
+def medusa_subject(args, base) -> Subject:
+    """Medusa or Hydra heads (--method medusa | hydra): no mask blocks; a tree's depth is at most
+    the head count."""
+    from mtpkit.models.medusa import MedusaDraftConfig, MedusaDrafter, load_head as load_medusa_head
+
+    if not args.head:
+        sys.exit(f"tree_frontier: --method {args.method} needs --head DIR (a {args.method} head folder)")
+    heads = load_medusa_head(args.head, base).to(base.device).eval()
+    if heads.cfg.arch != args.method:
+        sys.exit(f"tree_frontier: --head {args.head} holds {heads.cfg.arch} heads; use --method {heads.cfg.arch}")
+    kernels = pack_targets(base, (), args.linear, retune=args.retune)
+    target = Target(base)
+    timed: dict[str, MedusaDrafter] = {}
+
+    def drafter(bank: str, index: int):
+        return MedusaDrafter(MedusaDraftConfig(tree=bank, index=index), model=heads), target
+
+    def candidates(step, rows, compiled):  # the drafter's own drafting from the root's state
+        tree = compiled.topology
+        if tree.name not in timed:
+            timed[tree.name] = MedusaDrafter(MedusaDraftConfig(tree=json.dumps([list(p) for p in tree.paths])),
+                                             model=heads)
+            timed[tree.name].begin(target, [])
+        d = timed[tree.name]
+        d.h, d.bonus = step.hidden[0], step.new_tokens[-1]
+        tokens = d.propose([]).tokens  # on the device: read, as the verifier would
+        return tokens.tolist() if hasattr(tokens, "tolist") else tokens
+
+    return Subject(heads.cfg.heads, lambda ids, P, task: calibrate_heads(heads, target, ids, P, task, args.max_rank),
+                   target, drafter, candidates, {"head": args.head, "sampler": False, "arch": heads.cfg.arch},
+                   masks=False, kernels=kernels)
+
+
+SUBJECTS = {"gated_lora": gated_subject, "probe": probe_subject, "mtpc": mtpc_subject, "medusa": medusa_subject,
+            "hydra": medusa_subject}
 
 
 def _lean(model):

@@ -25,7 +25,7 @@ def test_every_entry_is_complete():
 
 
 def test_trained_methods_are_found_by_their_config_name():
-    assert {m.name for m in METHODS.values() if m.save_head} == {"gated_lora", "mtpc"}
+    assert {m.name for m in METHODS.values() if m.save_head} == {"gated_lora", "mtpc", "medusa", "hydra"}
     with pytest.raises(ValueError, match="unknown head method 'probe'"):
         trained_method("probe")
 
