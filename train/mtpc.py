@@ -27,6 +27,9 @@ loadable head). `--resume auto` continues from the newest checkpoint with the sa
 uninterrupted run. A process that seems stuck prints every thread's stack on `kill -USR1 PID`.
 `--init-from DIR` starts from the head of an earlier run (the paper's two stages: heads first,
 then LoRA layers).
+`--pack 1` is the paper's data layout (whole examples packed into sequences of --max-length
+positions, the longer ones dropped, each example encoded on its own: data/packed.py); `--epochs E`
+sets --max-steps to E passes over the sequences; metrics.jsonl records the `epoch` reached.
 
 The held-out estimate ("teacher-forced acceptance"): on held-out answers, the mean number of
 leading bytes of the head's greedy (max-product) window that equal the answer's next bytes.
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import faulthandler
 import signal
 import sys
@@ -49,6 +53,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mtpkit.data.chat import IGNORE, DataError, load_examples, tokenize_chat
+from mtpkit.data.packed import pack_examples, pad_packed, window_targets_packed
 from mtpkit.eval.report import write_training_plot
 from mtpkit.models.backbone import load_backbone
 from mtpkit.models.mtpc.circuits import ARCHS, mode, next_log_probs
@@ -86,6 +91,13 @@ class TrainConfig(HeadTrainArgs):
     """held-out sequences per acceptance estimate (every --eval-every steps)"""
     init_from: str = ""
     """checkpoint (or export) folder whose head initialises this run (stage two)"""
+    pack: bool = False
+    """the paper's layout: whole examples packed into sequences of --max-length positions, each
+    encoded on its own (no attention across examples), no window across an example's end; examples
+    longer than a sequence are dropped (without --pack: one example per sequence, cut there)"""
+    epochs: float = 0.0
+    """budget in epochs over the training sequences (packed or not): sets --max-steps to
+    ceil(epochs x sequences / (batch x processes x grad-accum)); 0 = --max-steps as given"""
     model: MTPCConfig = dataclasses.field(default_factory=MTPCConfig)
 
 
@@ -94,6 +106,7 @@ RULES: tuple[Rule, ...] = recipe_config.HEAD_TRAIN_RULES + (
     ("gamma", *between(0, 1)),
     ("kl_weight", *at_least(0)),
     ("eval_sequences", *at_least(1)),
+    ("epochs", *at_least(0)),
     ("arch", *one_of(ARCHS + ("cirkit",))),
     ("n", *at_least(2)),
     ("n", lambda v, cfg: cfg.model.arch != "btree" or v & (v - 1) == 0, "a power-of-two window for --arch btree"),
@@ -133,10 +146,10 @@ def build_features(cfg: TrainConfig, tokenizer, log) -> tuple[list[dict], list[d
     else:
         held, train = examples[19::20], [ex for i, ex in enumerate(examples) if i % 20 != 19]
 
-    def featurise(exs):
+    def featurise(exs, cut=cfg.max_length + 1):
         out, empty = [], 0
         for ex in exs:
-            feat = tokenize_chat(tokenizer, ex.messages, max_length=cfg.max_length + 1)
+            feat = tokenize_chat(tokenizer, ex.messages, max_length=cut)
             ids, labels = torch.tensor(feat["input_ids"]), torch.tensor(feat["labels"])
             if len(ids) < 2 or not (labels[1:] != IGNORE).any():
                 empty += 1
@@ -145,10 +158,16 @@ def build_features(cfg: TrainConfig, tokenizer, log) -> tuple[list[dict], list[d
             out.append({"input_ids": ids[:-1], "labels": labels[1:]})
         return out, empty
 
-    train_f, empty = featurise(train)
+    # packed: whole examples of at most --max-length input positions (max_length + 1 bytes), the rest dropped
+    train_f, empty = featurise(train, cut=None if cfg.pack else cfg.max_length + 1)
     held_f, _ = featurise(held)
     if empty:
         log(f"[data] {cfg.data}: skipped {empty} record(s) with no assistant byte within --max-length")
+    if cfg.pack:
+        examples = len(train_f)
+        train_f, dropped = pack_examples(train_f, cfg.max_length, seed=cfg.seed)
+        log(f"[data] packed {examples - dropped} examples into {len(train_f)} sequences of at most "
+            f"{cfg.max_length} positions; dropped {dropped} longer than that")
     if not train_f:
         raise DataError(f"{cfg.data}: no training sequence with an assistant answer")
     return train_f, held_f
@@ -165,10 +184,12 @@ def pad(feats: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return ids, labels, mask
 
 
-def select_windows(labels: torch.Tensor, n: int, per_sequence: int, generator: torch.Generator):
-    """Window positions with at least one valid byte, optionally a random subset per sequence.
+def select_windows(labels: torch.Tensor, n: int, per_sequence: int, generator: torch.Generator,
+                   segments: torch.Tensor | None = None):
+    """Window positions with at least one valid byte, optionally a random subset per sequence;
+    packed (`segments`): a window's bytes past its example's end are invalid.
     Returns (batch index, position) [W], targets [W, n], valid [W, n]."""
-    targets, valid = window_targets(labels, n)
+    targets, valid = window_targets(labels, n) if segments is None else window_targets_packed(labels, segments, n)
     rows, cols = valid.any(-1).nonzero(as_tuple=True)
     if per_sequence:
         keep = []
@@ -240,6 +261,10 @@ def main(argv=None) -> dict:
         train, held = build_features(cfg, tokenizer, log)
     except DataError as e:
         sys.exit(f"mtpc: {e}")
+    if cfg.epochs:  # before prepare: the schedule and the saved config.yaml read max_steps
+        world_steps = cfg.batch_size * world * cfg.grad_accum
+        cfg.max_steps = max(1, math.ceil(cfg.epochs * len(train) / world_steps))
+        log(f"[budget] {cfg.epochs:g} epoch(s) of {len(train)} sequences: --max-steps {cfg.max_steps}")
     torch.manual_seed(cfg.seed)  # peft draws the LoRA A matrices from the global generator
     mtpc = MTPCModel(backbone, cfg.model, seed=cfg.seed)
     if cfg.init_from:
@@ -254,6 +279,9 @@ def main(argv=None) -> dict:
     model, optimizer, scheduler, state = engine.prepare(accelerator, cfg, mtpc, optimizer)  # mtpc: unwrapped
     backward_step = engine.BackwardStep(accelerator, cfg, trainable, optimizer, scheduler)
     step, micro, bytes_seen = state["step"], state["micro_step"], state.get("bytes_seen", 0)
+    per_step = cfg.batch_size * world * cfg.grad_accum
+    log(f"[data] one epoch = {len(train)} sequences = {len(train) / per_step:.2f} steps of {per_step}; "
+        f"{cfg.max_steps} steps = {cfg.max_steps * per_step / len(train):.3f} epochs")
 
     metrics, window = engine.MetricsWriter(accelerator, cfg), engine.Window(accelerator)
     bar = tqdm(total=cfg.max_steps, initial=step, desc=f"mtpc-{cfg.model.arch}", unit="step",
@@ -262,12 +290,17 @@ def main(argv=None) -> dict:
     model.train()
     while step < cfg.max_steps:
         feats = engine.micro_batch(train, micro, accelerator, cfg)
-        ids, labels, mask = (t.to(device) for t in pad(feats, tokenizer.pad_token_id))
+        if cfg.pack:  # no attention mask: each example is encoded on its own (MTPCModel.features)
+            ids, labels, segments = pad_packed(feats, tokenizer.pad_token_id)
+            mask = None
+        else:
+            (ids, labels, mask), segments = pad(feats, tokenizer.pad_token_id), None
+        ids, labels, mask = ids.to(device), labels.to(device), mask if mask is None else mask.to(device)
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + micro * world + rank)
-        rows, cols, targets, valid = select_windows(labels.cpu(), cfg.model.n, cfg.windows_per_sequence, g)
+        rows, cols, targets, valid = select_windows(labels.cpu(), cfg.model.n, cfg.windows_per_sequence, g, segments)
         rows, cols, targets, valid = rows.to(device), cols.to(device), targets.to(device), valid.to(device)
         with accelerator.accumulate(model):
-            params = model(ids, mask, rows, cols)  # through the prepared (DDP) model: gradients are all-reduced
+            params = model(ids, mask, rows, cols, segments)  # through the prepared (DDP) model: gradients are all-reduced
             nll, per_offset = window_loss(params, targets, valid, rows, ids.shape[0], cfg.gamma)
             kl = kl_loss(mtpc, params, targets, valid, ids, rows, cols) if cfg.kl_weight else nll.new_zeros(())
             loss = nll + cfg.kl_weight * kl
@@ -284,7 +317,8 @@ def main(argv=None) -> dict:
             bytes_seen += int(totals["bytes"])
             result = {"step": step, **means, "nll_per_offset": [round(v, 4) for v in means["nll_per_offset"]],
                       "lr": scheduler.get_last_lr()[0], "assistant_bytes_per_s": totals["bytes"] / seconds,
-                      "bytes_seen": bytes_seen, "skipped_steps": int(totals["skipped_steps"])}
+                      "bytes_seen": bytes_seen, "skipped_steps": int(totals["skipped_steps"]),
+                      "epoch": round(micro * world * cfg.batch_size / len(train), 4)}
             metrics.write(result)
             bar.set_postfix(loss=f"{result['loss']:.3f}", nll1=f"{result['nll_per_offset'][0]:.2f}")
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps) and held:

@@ -221,6 +221,19 @@ class DraftLayers(nn.Module):
         return self.norm(self.adapter.run_layers(self.layers, shared, position_ids, mask, past_key_values))
 
 
+def segment_spans(segments: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each example in one packed row `segments` [T] (example index, -1 = padding)."""
+    seg = segments.tolist()
+    spans, start = [], 0
+    while start < len(seg) and seg[start] >= 0:
+        end = start + 1
+        while end < len(seg) and seg[end] == seg[start]:
+            end += 1
+        spans.append((start, end))
+        start = end
+    return spans
+
+
 class MTPCModel(nn.Module):
     """Head (+ optional draft layers) over a frozen backbone. Only the head and LoRA train."""
 
@@ -241,9 +254,22 @@ class MTPCModel(nn.Module):
             self.head = MTPCHead(cfg, start, seed=seed)
         self.draft = DraftLayers(backbone, cfg, adapter) if cfg.lora_layers else None
 
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 segments: torch.Tensor | None = None) -> torch.Tensor:
         """e_t for every position [B, T, d]: the backbone's final state, or the draft layers' on
-        top of the shared state after layer N - L."""
+        top of the shared state after layer N - L. With `segments` [B, T] (packed sequences,
+        `mtpkit.data.packed`: example index, -1 = padding) each example is encoded on its own from
+        position 0, so attention never crosses examples, on any attention (EVA has no document
+        mask); padding rows are zero."""
+        if segments is not None:
+            rows = []
+            for b in range(input_ids.shape[0]):
+                parts = [self.features(input_ids[b:b + 1, s:e])[0] for s, e in segment_spans(segments[b].cpu())]
+                used = sum(len(p) for p in parts)
+                if used < input_ids.shape[1]:
+                    parts.append(parts[0].new_zeros(input_ids.shape[1] - used, parts[0].shape[-1]))
+                rows.append(torch.cat(parts))
+            return torch.stack(rows)  # [B, T, d]
         with torch.no_grad():
             out = self.adapter.body(input_ids=input_ids, attention_mask=attention_mask,
                                  output_hidden_states=self.draft is not None)
@@ -254,9 +280,9 @@ class MTPCModel(nn.Module):
         return self.draft(shared, positions)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor,
-                cols: torch.Tensor) -> CircuitParams:
+                cols: torch.Tensor, segments: torch.Tensor | None = None) -> CircuitParams:
         """The circuits of the windows after positions (rows, cols) of the batch."""
-        return self.head(self.features(input_ids, attention_mask)[rows, cols])
+        return self.head(self.features(input_ids, attention_mask, segments)[rows, cols])
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items()
