@@ -252,15 +252,33 @@ def tokenize_chat(tokenizer, messages: list[dict], max_length: int | None = None
         if not text.startswith(upto) or len(upto) < start:
             raise ValueError("the chat template is not prefix-stable; cannot locate assistant tokens")
         spans.append((start, len(upto.rstrip())))
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    else:  # slow tokenizers give no offsets (EvaByte's byte tokenizer): spans through prefix encodings
+        ids, offsets = tokenizer(text, add_special_tokens=False)["input_ids"], None
     labels = [IGNORE] * len(ids)
-    for j, (a, b) in enumerate(offsets):
+    if offsets is None:
+        for start, end in spans:
+            a, b = (_prefix_tokens(tokenizer, text, ids, cut) for cut in (start, end))
+            labels[a:b] = ids[a:b]
+    for j, (a, b) in enumerate(offsets or ()):
         if any(a < end and b > start for start, end in spans):
             labels[j] = ids[j]
     if max_length is not None:
         ids, labels = ids[:max_length], labels[:max_length]
     return {"input_ids": ids, "labels": labels}
+
+
+def _prefix_tokens(tokenizer, text: str, ids: list[int], cut: int) -> int:
+    """How many tokens of `ids` (the encoding of `text`) encode text[:cut], for a tokenizer without
+    offsets. Exact where text[:cut] encodes to a prefix of `ids` (a byte tokenizer: one token per
+    byte, specials whole); any other tokenizer is refused rather than mislabelled."""
+    head = tokenizer(text[:cut], add_special_tokens=False)["input_ids"]
+    if ids[: len(head)] != head:
+        raise ValueError(f"{type(tokenizer).__name__} gives no offsets and does not encode the conversation "
+                         f"prefix by prefix (character {cut}); cannot locate assistant tokens")
+    return len(head)
 
 
 def pack(features: list[dict], block_size: int) -> list[dict]:
