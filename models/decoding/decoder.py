@@ -22,8 +22,8 @@ from mtpkit.models.arch import adapter_for
 from mtpkit.models.decoding.cache import new_cache
 from mtpkit.models.generate import target_probs
 from mtpkit.models.decoding.step import StepBank, check_step
-from mtpkit.models.decoding.verify import (accept_on_device, attention_inputs, path_to, verify_greedy,
-                                           verify_sampling, walk_greedy)
+from mtpkit.models.decoding.verify import (accept_on_device, attention_inputs, path_to, sample_on_device,
+                                           verify_greedy, verify_sampling, walk_greedy)
 from mtpkit.models.decoding.drafter import Drafter, StepOutput
 from mtpkit.models.trees import children_of, tree_layout
 from mtpkit.models.packed_linear import PackedLinear, cpu_paths
@@ -181,7 +181,9 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
     acceptance and the drafter read, and greedy acceptance reads one argmax per visited node; on
     a GPU every row goes through the LM head in one call and greedy acceptance is ONE host read
     per step (the argmax of every row with the draft tokens), so the device never waits on the
-    host in between (tests/eval/test_host_syncs.py counts the reads). `on_tokens`, when given,
+    host in between (tests/eval/test_host_syncs.py counts the reads); speculative sampling there is
+    one read too (`sample_on_device`: deterministic drafts, chain or tree, and chains of drawn
+    drafts; a tree of drawn drafts is walked on the host). `on_tokens`, when given,
     gets each step's accepted tokens as the step ends (what `result.tokens` gains: cut at an EOS
     and at `max_new_tokens`), for streaming."""
     started = time.perf_counter()
@@ -258,14 +260,15 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
                 return every[target.upload(rows)]
 
         children = draft.children if draft.children is not None else children_of(draft_parents, 1 + N)
+        chain = all(p == i for i, p in enumerate(draft_parents))
         choices = None  # the target's argmax of every row, when read at once
+        decision = None  # the device's (last accepted node, bonus) of a sampled step
+        device_tokens = host_tokens is None and N
         if temperature <= 0 and not lazy:
             # the acceptance decision in one host read: the path and length accepted on the device
             # (a drafted tree), every row's argmax (the drafters read them), the device's draft tokens
             if argmaxes is None:
                 argmaxes = every.argmax(-1)
-            device_tokens = host_tokens is None and N
-            chain = all(p == i for i, p in enumerate(draft_parents))
             if N and c == 1:  # a decoding step's draft: accepted on the device
                 if not chain and layout is None:
                     layout = step_layout(target, draft, parents)
@@ -284,6 +287,20 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         elif temperature <= 0:
             step_tokens = [context[-1]] + (host_tokens if host_tokens is not None else draft.tokens.tolist())
             accepted, last, bonus = verify_greedy(lambda n: logits([n])[0], children, step_tokens)
+        elif not lazy and (draft.draft_probs is None or chain and isinstance(draft.draft_probs, torch.Tensor)):
+            # speculative sampling on the device (`sample_on_device`): the draws, the accepted node and
+            # the bonus made there, then read at once with the device's draft tokens (drawn drafts whose
+            # rows are made lazily, as MTPC's, walk on the host: it asks only for the rows it visits)
+            if not chain and layout is None:
+                layout = step_layout(target, draft, parents) if c == 1 else \
+                    target.layout_on_device(tree_layout(tuple([-1] + draft_parents)))
+            probs = target_probs(logits(list(range(1 + N))), temperature, top_p)
+            decision = sample_on_device(probs, ids[root: root + 1 + N], draft.draft_probs,
+                                        None if chain else layout, generator)
+            read = torch.cat([decision] + ([draft_ids] if device_tokens else [])).tolist()
+            last, bonus = read[0], read[1]
+            step_tokens = [context[-1]] + (read[2:] if device_tokens else host_tokens or [])
+            accepted = path_to(last, draft_parents)
         else:
             step_tokens = [context[-1]] + (host_tokens if host_tokens is not None else draft.tokens.tolist())
             accepted, last, bonus = verify_sampling(
@@ -294,7 +311,8 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         new = [step_tokens[a] for a in accepted] + [bonus]
         next_context = [bonus]
         # the next context on the device, where it is already there: a view of this step's tensors
-        next_ids = argmaxes[last: last + 1] if choices is not None else None
+        next_ids = argmaxes[last: last + 1] if choices is not None else \
+            decision[1:] if decision is not None else None
         if drafter.drop_bonus(len(accepted), N):
             # e.g. MTPC's Algorithm 2: the newest kept token becomes the next root and is fed
             # again (its KV leaves the cache), so its state comes with the next forward
