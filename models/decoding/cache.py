@@ -13,11 +13,13 @@ of positions kept, read by the decoder for position ids and masks.
   sits in place costs nothing. Capacity grows by doubling when a step would not fit (the
   decoder reserves prompt + max_new_tokens + the first step's width up front, so it rarely
   does).
-- `StaticSlab` (the compiled step's, gpt-fast's layout): the same slab at a fixed capacity, the
-  length also a device scalar (`length_t`); a forward writes its rows by index at device positions
-  (`index_copy_`) and attends to the WHOLE slab under a mask that hides the positions past the
-  step, so every tensor of a step has a fixed shape and nothing in it reads the host: what a
-  captured CUDA graph or a `torch.compile`d step needs (`mtpkit.models.decoding.step`).
+- `StaticSlab` (the compiled step's, gpt-fast's layout): a fixed capacity, one keys and one values
+  tensor per layer (not views of one slab: `torch.compile` would copy the whole slab back after
+  every write into a view of it), the length also a device scalar (`length_t`); a forward writes
+  its rows by index at device positions (`index_copy_`) and attends to the WHOLE cache under a
+  mask that hides the positions past the step, so every tensor of a step has a fixed shape and
+  nothing in it reads the host: what a captured CUDA graph or a `torch.compile`d step needs
+  (`mtpkit.models.decoding.step`). Compaction is one gather per tensor.
 - `DynamicKV`: transformers' `DynamicCache`, concatenated every layer every step and rolled
   back with a cat per layer: the eager decoder's cache, kept as the exactness oracle and for
   architectures whose attention is not transformers' `Cache.update` protocol.
@@ -157,18 +159,24 @@ class DynamicKV:
 
 
 class _StaticLayer(_SlabLayer):
-    """One layer of a `StaticSlab`: writes at the device positions `slab.write`, returns the whole
-    slab (the step's mask hides what lies past it)."""
+    """One layer of a `StaticSlab`: writes at the device positions `slab.write` and returns its whole
+    keys and values (the step's mask hides what lies past the step); an eager forward (a prefill,
+    `write` None) writes at the host positions [length, length + Q) and gets views up to there."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         slab = self.slab
-        if slab.write is None:  # an eager forward (a prefill): host positions, as the slab's
-            return super().update(key_states, value_states, *args, **kwargs)
+        if slab.keys is None:
+            slab._allocate(key_states)
         self.is_initialized = True
-        kv = slab.kv[self.index]
-        kv[0].index_copy_(-2, slab.write, key_states)
-        kv[1].index_copy_(-2, slab.write, value_states)
-        return kv[0], kv[1]
+        keys, values = slab.keys[self.index], slab.values[self.index]
+        if slab.write is None:
+            end = slab.length + key_states.shape[-2]
+            keys[:, :, slab.length: end].copy_(key_states)
+            values[:, :, slab.length: end].copy_(value_states)
+            return keys[:, :, :end], values[:, :, :end]
+        keys.index_copy_(-2, slab.write, key_states)
+        values.index_copy_(-2, slab.write, value_states)
+        return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.slab.write is None:
@@ -177,21 +185,24 @@ class _StaticLayer(_SlabLayer):
 
 
 class StaticSlab(SlabCache):
-    """See the module docstring: a `SlabCache` of fixed capacity whose steps write by device index.
+    """See the module docstring: a cache of fixed capacity whose steps write by device index.
     `write` ([Q] device positions) is set by the step for its forward, None for an eager one;
     `length_t` follows `length` on the device (updated by a device fill, never read back)."""
 
     def __init__(self, num_layers: int, capacity: int, upload=None):
         super().__init__(num_layers, capacity, upload)
         self.hf = Cache(layers=[_StaticLayer(self, i) for i in range(num_layers)])
+        self.keys: list[torch.Tensor] | None = None
+        self.values: list[torch.Tensor] | None = None
         self.write: torch.Tensor | None = None
         self.length_t: torch.Tensor | None = None
 
     def _allocate(self, key_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
-        # zeros, not empty: attention reads the whole slab, and a masked position's weight (0)
+        # zeros, not empty: attention reads the whole cache, and a masked position's weight (0)
         # times an uninitialised value (possibly NaN) would be NaN
-        self.kv = key_states.new_zeros((self.num_layers, 2, B, H, self.capacity, D))
+        self.keys = [key_states.new_zeros((B, H, self.capacity, D)) for _ in range(self.num_layers)]
+        self.values = [key_states.new_zeros((B, H, self.capacity, D)) for _ in range(self.num_layers)]
         self.length_t = torch.zeros((), dtype=torch.long, device=key_states.device)
 
     def reserve(self, rows: int) -> None:
@@ -200,7 +211,12 @@ class StaticSlab(SlabCache):
                              f"fit its capacity {self.capacity}; give decode a larger max_len")
 
     def compact(self, keep: int, accepted: list[int]) -> None:
-        super().compact(keep, accepted)
+        n = len(accepted)
+        if self.keys is not None and accepted != list(range(keep, keep + n)):  # a prefix in place stays
+            index = self.upload(accepted) if self.upload else torch.tensor(accepted, device=self.keys[0].device)
+            for tensor in self.keys + self.values:
+                tensor[:, :, keep: keep + n].copy_(tensor.index_select(-2, index))
+        self.length = keep + n
         if self.length_t is not None:
             self.length_t.fill_(self.length)
 
