@@ -262,7 +262,9 @@ def build(args, device: torch.device, dtype: torch.dtype) -> Setup:
     distinct = {id(model): model, **{id(a[0]): a[0] for a in adapted.values()}}
     to_pack = [m for m in distinct.values() if id(m) not in stock]
     kernels = pack_targets(model, [m for m in to_pack if m is not model], args.linear, retune=args.retune)
-    targets = {spec: Target(*a, step=resolve_step(args.step, device)) for spec, a in adapted.items()}
+    options = dict(zip(args.methods, args.parsed))  # a method's own `step` (ar:step=compile) over --step
+    targets = {spec: Target(*a, step=resolve_step(getattr(options[spec][1], "step", "") or args.step, device))
+               for spec, a in adapted.items()}
     return Setup(dtype, model, tokenizer, eos_token_ids(model, tokenizer), drafters, targets, hf_model, kernels)
 
 

@@ -13,12 +13,24 @@ from dataclasses import dataclass
 
 from mtpkit.models import gated_lora, medusa, mtpc, pld, probe
 from mtpkit.models.decoding.drafter import Drafter, StockAR
+from mtpkit.models.decoding.step import STEP_CHOICES
 from mtpkit.models.method import Method
 
 
 @dataclass
 class NoOptions:
     pass
+
+
+@dataclass
+class AROptions:
+    step: str = ""
+    """this AR's decoding step (auto, eager, static, compile, graph; '' = the bench's --step): `ar
+    ar:step=compile` compares the eager and the compiled step in one interleaved run"""
+
+    def __post_init__(self):
+        if self.step not in ("",) + STEP_CHOICES:
+            raise ValueError(f"step {self.step!r}: choose one of {', '.join(STEP_CHOICES)}")
 
 
 @dataclass
@@ -38,7 +50,7 @@ class HFPLDOptions:
 
 
 METHODS: dict[str, Method] = {
-    "ar": Method("ar", "plain autoregressive decoding through the mtpkit decoder (the baseline)", NoOptions,
+    "ar": Method("ar", "plain autoregressive decoding through the mtpkit decoder (the baseline)", AROptions,
                  drafter=lambda options: Drafter()),
     "ar_stock": Method("ar_stock", "the same on torch's stock kernels (the reference for packed kernels)", NoOptions,
                        drafter=lambda options: StockAR()),

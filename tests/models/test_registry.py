@@ -9,7 +9,7 @@ import pytest
 from mtpkit.eval import bench
 from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.method import Method
-from mtpkit.models.registry import METHODS, NoOptions, trained_method
+from mtpkit.models.registry import METHODS, AROptions, trained_method
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,4 +57,4 @@ def test_a_new_entry_reaches_the_bench(monkeypatch):
     assert "wide" in bench.methods_help() and "width=3: how wide" in bench.methods_help()
     with pytest.raises(bench.MethodError, match="options of wide: width"):
         bench.parse_method("wide:depth=2")
-    assert METHODS["ar"].options is NoOptions
+    assert METHODS["ar"].options is AROptions
