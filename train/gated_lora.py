@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from mtpkit.data.chat import IGNORE, DataError, load_examples, prompt_ids, tokenize_chat
 from mtpkit.data.mtp import choose_anchors, collate_cached, collate_mask_inputs, mask_inputs
-from mtpkit.models.decoding.decoder import Target, decode
+from mtpkit.models.decoding.decoder import Target, tokens_per_call
 from mtpkit.eval.report import write_training_plot
 from mtpkit.models.backbone import DTYPES, eos_token_ids, load_backbone
 from mtpkit.models.gated_lora.drafter import DECODINGS, GatedLoRADraftConfig, GatedLoRADrafter
@@ -136,12 +136,9 @@ def simulated_tau(mtp: GatedMTP, prompts: list[list[int]], cfg: TrainConfig, eos
     drafter = GatedLoRADrafter(GatedLoRADraftConfig(decoding=cfg.eval_decoding), model=mtp)
     model, gate = drafter.adapt(None, {})
     target = Target(model, gate=gate)
-    tokens = calls = 0
-    for ids in prompts:
-        res = decode(target, drafter, ids, cfg.eval_max_new_tokens, eos_token_ids=eos)
-        tokens, calls = tokens + len(res.tokens), calls + res.target_calls
+    tau = tokens_per_call(target, drafter, prompts, cfg.eval_max_new_tokens, eos)
     mtp.train(was_training)
-    return tokens / max(calls, 1)
+    return tau
 
 
 def main(argv=None) -> dict:

@@ -49,7 +49,7 @@ from mtpkit.eval.report import write_training_plot
 from mtpkit.models.arch import adapter_for
 from mtpkit.models.atomic_write import replacing
 from mtpkit.models.backbone import eos_token_ids, load_backbone
-from mtpkit.models.decoding.decoder import Target, decode
+from mtpkit.models.decoding.decoder import Target, tokens_per_call
 from mtpkit.models.head_folder import backbone_identity
 from mtpkit.models.medusa import MedusaConfig, MedusaDraftConfig, MedusaDrafter, MedusaHeads, anchor_rows, collate_rows
 from mtpkit.models.medusa.model import ARCHS, LM_HEADS
@@ -179,12 +179,9 @@ def simulated_tau(heads: MedusaHeads, backbone, prompts: list[list[int]], cfg: T
     was_training = heads.training
     drafter = MedusaDrafter(MedusaDraftConfig(tree=cfg.eval_tree), model=heads)
     target = Target(backbone)
-    tokens = calls = 0
-    for ids in prompts:
-        res = decode(target, drafter, ids, cfg.eval_max_new_tokens, eos_token_ids=eos)
-        tokens, calls = tokens + len(res.tokens), calls + res.target_calls
+    tau = tokens_per_call(target, drafter, prompts, cfg.eval_max_new_tokens, eos)
     heads.train(was_training)
-    return tokens / max(calls, 1)
+    return tau
 
 
 def main(argv=None) -> dict:

@@ -347,3 +347,13 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
     result.tokens = result.tokens[:max_new_tokens]
     result.seconds = time.perf_counter() - started - result.compile_seconds
     return result
+
+
+def tokens_per_call(target: Target, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int,
+                    eos_token_ids=()) -> float:
+    """Greedy tau over several prompts: the tokens generated per target call (the trainers' sim_tau)."""
+    tokens = calls = 0
+    for ids in prompts:
+        res = decode(target, drafter, ids, max_new_tokens, eos_token_ids=eos_token_ids)
+        tokens, calls = tokens + len(res.tokens), calls + res.target_calls
+    return tokens / max(calls, 1)
