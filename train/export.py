@@ -15,6 +15,14 @@ MTPC (`head.safetensors`: circuit head + draft-layer LoRA) with `mtpkit.models.m
 --push-to-hub uploads the folder with huggingface_hub (token from HF_TOKEN or the login
 cache); without network it says so and keeps the folder.
 
+--format medusa writes Medusa-1 heads for serving engines instead (docs/medusa.md, "Export for
+serving engines"): `config.json` + `model.safetensors` in the layout of vLLM's Medusa draft model
+(model_type medusa: blocks.{i}.layers.0.weight/bias, lm_heads.{i}.weight) and
+`medusa_lm_head.pt` in the layout the Medusa reference implementation's
+`MedusaModel.from_pretrained` loads ({i}.0.linear.weight/bias, {i}.1.weight); a shared LM head is
+copied into every head (the backbone is loaded for it). Hydra heads and the prefix layer have no
+such engine and are refused; heads of more than one block get the vLLM files alone.
+
 --out is created, or must be empty or an earlier export (only the files an export writes:
 mtpkit_config.json, README.md, a method's head files); a folder with other files is refused
 unless --overwrite, which replaces the export's files there and leaves the others. Everything is
@@ -33,7 +41,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from mtpkit.models.head_folder import HEAD_CONFIG, head_folder, read_head_config, read_json, read_weights
+from mtpkit.models.head_folder import (HEAD_CONFIG, check_backbone, head_folder, read_head_config, read_json,
+                                       read_weights)
+from mtpkit.models.medusa import serving
 from mtpkit.models.process import run_script
 from mtpkit.models.registry import METHODS, trained_method
 from mtpkit.train.checkpoints import latest_checkpoint
@@ -50,7 +60,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--results", help="eval/bench.py results.json whose tau table goes into the model card")
     p.add_argument("--push-to-hub", metavar="REPO", help="upload the folder to this Hub repo (user/name)")
     p.add_argument("--private", action="store_true", help="create the Hub repo private")
+    p.add_argument("--format", default="mtpkit", choices=FORMATS,
+                   help="mtpkit: the head folder mtpkit loads | medusa: Medusa-1 heads in the files vLLM's Medusa "
+                        "draft model (config.json, model.safetensors) and the Medusa reference implementation "
+                        "(medusa_lm_head.pt) load")
     return p.parse_args(argv)
+
+
+FORMATS = ("mtpkit", serving.FORMAT)
 
 
 def find_head(path: Path) -> Path:
@@ -65,16 +82,25 @@ def find_head(path: Path) -> Path:
 
 def export_files() -> set[str]:
     """Every file name an export writes, for any method."""
-    return {HEAD_CONFIG, "README.md", *(f for m in METHODS.values() for f in m.head_files)}
+    return {HEAD_CONFIG, "README.md", *(f for m in METHODS.values() for f in m.head_files), *serving.ENGINE_FILES}
+
+
+def is_engine_export(out: Path) -> bool:
+    """A folder written by --format medusa (its config.json says so)."""
+    try:
+        return read_json(out / serving.ENGINE_CONFIG).get("mtpkit_format") == serving.FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def foreign_files(out: Path) -> list[str]:
     """What in `out` an export did not write: everything, unless it is an earlier export
-    (mtpkit_config.json there), then what is not an export's file name."""
+    (mtpkit_config.json there, or --format medusa's config.json), then what is not an export's
+    file name."""
     if not out.is_dir():
         return []
     names = sorted(p.name for p in out.iterdir())
-    if HEAD_CONFIG not in names:
+    if HEAD_CONFIG not in names and not is_engine_export(out):
         return names
     return [n for n in names if n not in export_files()]
 
@@ -121,6 +147,86 @@ def push(folder: Path, repo: str, private: bool) -> str:
     api = HfApi()
     api.create_repo(repo, private=private, exist_ok=True)
     return api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="mtpkit export").commit_url
+
+
+def engine_files(head: Path, config: dict) -> tuple[dict, dict]:
+    """--format medusa: ({file name: tensors}, config.json) of the Medusa-1 heads in `head`, or
+    SystemExit (one line naming the flag and why)."""
+    import torch
+
+    from mtpkit.models.arch import adapter_for
+    from mtpkit.models.backbone import load_backbone
+    from mtpkit.models.medusa import ARCHS, HEAD_WEIGHTS, read_settings
+
+    if config["method"] not in ARCHS:
+        sys.exit(f"export: --format medusa: {head} holds {config['method']} heads, not Medusa heads")
+    try:
+        _, cfg = read_settings(head)
+        weights = read_weights(head / HEAD_WEIGHTS)
+    except ValueError as e:
+        sys.exit(f"export: {e}")
+    problem = serving.serving_problem(cfg)
+    if problem:
+        sys.exit(f"export: --format medusa: {problem}")
+    lm_head = None
+    if cfg.lm_head == "shared":  # its weights are the backbone's: copied into every head
+        try:
+            backbone, _ = load_backbone(config["base_model"])
+            check_backbone(config, backbone, head)
+        except (OSError, ValueError, RuntimeError) as e:  # BackboneError is a RuntimeError
+            sys.exit(f"export: --format medusa: lm_head=shared needs the backbone {config['base_model']}'s LM head, "
+                     f"which did not load ({type(e).__name__}: {e})")
+        lm_head = adapter_for(backbone).lm_head.weight
+    with torch.no_grad():
+        vllm = serving.vllm_state(weights, cfg, lm_head)
+    files = {serving.VLLM_WEIGHTS: vllm}
+    if cfg.layers == 1:
+        files[serving.REFERENCE_WEIGHTS] = serving.reference_state(vllm, cfg)
+    return files, serving.engine_config(vllm, cfg, config["base_model"], reference=cfg.layers == 1)
+
+
+def write_engine_files(folder: Path, tensors: dict, engine: dict) -> None:
+    """The files of `engine_files` into `folder`: safetensors for vLLM, torch.save for the reference
+    (its loader reads `medusa_lm_head.pt` with torch.load)."""
+    import torch
+    from safetensors.torch import save_file
+
+    for name, state in tensors.items():
+        if name.endswith(".safetensors"):
+            save_file(state, str(folder / name))
+        else:
+            torch.save(state, folder / name)
+    (folder / serving.ENGINE_CONFIG).write_text(json.dumps(engine, indent=1))
+
+
+def engine_card(config: dict, engine: dict, reference: bool, results: dict | None, trainer: dict) -> str:
+    """README.md of a --format medusa folder: what it holds and which engine reads which file."""
+    K, base = engine["num_heads"], config["base_model"]
+    lines = ["---", f"base_model: {base}" if "/" in base else f"# base model: {base}",
+             "tags: [mtpkit, speculative-decoding, medusa, vllm]", "---", "",
+             f"# Medusa-1 draft heads (K = {K}) for {base}", "",
+             "Trained with mtpkit `train/medusa.py --arch medusa` (\"Medusa: Simple LLM Inference Acceleration "
+             "Framework with Multiple Decoding Heads\", arXiv:2401.10774) and exported with "
+             "`train/export.py --format medusa`: head i (0-based, as both engines number them) reads the backbone's "
+             "last hidden state h_t and predicts x_{t+i+2}, the tokens after the backbone's own next token.", "",
+             f"- `config.json` + `{serving.VLLM_WEIGHTS}`: vLLM's Medusa draft model (model_type `medusa`)."]
+    if reference:
+        lines.append(f"- `{serving.REFERENCE_WEIGHTS}`: the Medusa reference implementation "
+                     "(`MedusaModel.from_pretrained`, FasterDecoding/Medusa).")
+    if trainer:
+        lines += ["", f"Trained for {trainer.get('step')} steps."]
+    if "/" not in base:
+        lines += ["", f"`{base}` is mtpkit's name for the backbone the heads were trained on, not a Hub id: serve "
+                      "that model (the folder `load_backbone` reads it from) and put its path in config.json's "
+                      "base_model_name_or_path for the reference."]
+    served = base if "/" in base else "BASE_MODEL_HUB_ID"
+    lines += ["", "```bash", f"vllm serve {served} --speculative-config '{{\"model\": \"path/to/this/folder\", "
+              f"\"num_speculative_tokens\": {K}}}'", "```", ""]
+    if results:
+        from mtpkit.eval.report import markdown_table
+
+        lines += ["## Measured with mtpkit's decoder (eval/bench.py)", "", markdown_table(results)]
+    return "\n".join(lines)
 
 
 def read_results(path: str) -> dict:
@@ -184,6 +290,7 @@ def main(argv=None) -> Path:
                 read_weights(head / name)
     except ValueError as e:
         sys.exit(f"export: {e}")
+    engine = engine_files(head, config) if args.format == serving.FORMAT else None
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         sys.exit(f"export: --out {out} is a file, not a folder")
@@ -216,11 +323,16 @@ def main(argv=None) -> Path:
                 os.symlink(os.readlink(src), new / name)
             else:
                 _link_or_copy(src, new / name)
-        for name in files:
-            shutil.copyfile(head / name, new / name)
-        if trainer:
-            (new / HEAD_CONFIG).write_text(json.dumps(config, indent=1))
-        (new / "README.md").write_text(model_card(config, results, trainer, train_config))
+        if engine is not None:
+            write_engine_files(new, *engine)
+            reference = serving.REFERENCE_WEIGHTS in engine[0]
+            (new / "README.md").write_text(engine_card(config, engine[1], reference, results, trainer))
+        else:
+            for name in files:
+                shutil.copyfile(head / name, new / name)
+            if trainer:
+                (new / HEAD_CONFIG).write_text(json.dumps(config, indent=1))
+            (new / "README.md").write_text(model_card(config, results, trainer, train_config))
         swap_in(new, dest)
     finally:
         shutil.rmtree(new, ignore_errors=True)
