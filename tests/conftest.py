@@ -28,6 +28,20 @@ def pytest_xdist_auto_num_workers(config):
     return None if whole else 0
 
 
+def pytest_configure(config):
+    """On pytest-xdist's workers (one per core), torch runs the cores' share of threads per worker,
+    and so do the scripts the tests start: two workers of as many threads as cores each would
+    oversubscribe the cores, and OpenMP's threads spin waiting for each other (several times the
+    CPU time on the tiny models). The launch tests set OMP_NUM_THREADS=1 for their processes."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
 def pytest_xdist_make_scheduler(config, log):
     """How the workers share the tests: a module runs whole on one worker (its module fixtures
     built once), and the modules of LAUNCHES together on one, so their launches run one after
