@@ -41,10 +41,10 @@ def _entry(tau, rounds):
             "matches_ar": True, "mismatches": 0, "near_tie_mismatches": 0}
 
 
-def _results(methods: dict, machine=None) -> dict:
+def _results(methods: dict, machine=None, categories=("chat",)) -> dict:
     for r in methods.values():
-        r["per_category"] = {"chat": dict(r)}
-    return {"methods": methods, "categories": ["chat"], "rounds": 3,
+        r["per_category"] = {name: dict(r) for name in categories}
+    return {"methods": methods, "categories": list(categories), "rounds": 3,
             "machine": machine or {"cores": 8, "load_mean": 1.0, "load_max": 2.0}}
 
 
@@ -69,7 +69,10 @@ def test_a_wide_spread_is_a_warning_and_marks_the_ratio():
     table = markdown_table(results)
     assert table.startswith("WARNING: pld: speed-up 1.30x varies")
     assert _row(table, "pld")[3] == "1.30 !"
-    assert "1.50 / 1.30 !" in table  # the per-category cell too
+    assert "Per category" not in table  # one category: its table would repeat the one above
+    table = markdown_table(_results({"ar": _entry(1.0, [1.0, 1.0, 1.0]), "pld": _entry(1.5, [1.0, 1.3, 1.4])},
+                                    categories=("chat", "code")))
+    assert "Per category" in table and "| pld | 1.50 / 1.30 ! | 1.50 / 1.30 ! |" in table  # each category's cell
 
 
 def test_a_drafter_faster_than_its_tau_is_impossible_and_flagged():
