@@ -66,11 +66,12 @@ from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.eval.report import (dtype_table, summarise, timing_warnings, write_markdown,
                                write_plot, write_tradeoff_plot)
 from mtpkit.eval.specs import MethodError, build_drafter, methods_help, parse_method
-from mtpkit.eval.step_rows import rows_forward_ms
+from mtpkit.eval.step_rows import RowsFloor, decode_rows
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)
-from mtpkit.models.decoding.drafter import StockAR
+from mtpkit.models.decoding.drafter import Drafter, StockAR
 from mtpkit.models.decoding.host_reads import counting_reads
+from mtpkit.models.decoding import step_plan
 from mtpkit.models.decoding.step import STEP_CHOICES, resolve_step
 from mtpkit.models.generate import hf_static_compiled
 from mtpkit.models.atomic_write import write_atomic
@@ -141,7 +142,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "eager = dynamic shapes on the growing cache; static = one fixed-shape step per tree shape on "
                         "a static cache; compile = those steps under torch.compile (compiled at first use, the "
                         "seconds reported as compile_s); graph = captured as CUDA graphs (CUDA only); auto = graph "
-                        "on CUDA, eager on a CPU (default: %(default)s)")
+                        "on CUDA; on a CPU compile for AR and gated linear/quadratic chains once a run of this bench "
+                        "with ar and ar:step=compile measured the compiled step faster on this machine, eager "
+                        "otherwise (models/decoding/step_plan.py); a method's own step=MODE overrides it "
+                        "(default: %(default)s)")
     p.add_argument("--retune", action="store_true",
                    help="with --linear auto: measure the kernel plan again (and cache it) even if one is cached, "
                         "e.g. after the machine's load or software changed")
@@ -233,6 +237,8 @@ class Setup:
     kernels: dict | None
     compile_s: dict = dataclasses.field(default_factory=dict)  # spec -> seconds of its first (compiling) call
     host_reads: dict = dataclasses.field(default_factory=dict)  # spec -> mean host reads a decoding step
+    floors: dict = dataclasses.field(default_factory=dict)  # spec -> RowsFloor on its target (the x_rows floor)
+    floor_ms: dict = dataclasses.field(default_factory=dict)  # spec -> [ms of its rows' plain forward, per decode]
 
 
 def build(args, device: torch.device, dtype: torch.dtype) -> Setup:
@@ -263,7 +269,8 @@ def build(args, device: torch.device, dtype: torch.dtype) -> Setup:
     to_pack = [m for m in distinct.values() if id(m) not in stock]
     kernels = pack_targets(model, [m for m in to_pack if m is not model], args.linear, retune=args.retune)
     options = dict(zip(args.methods, args.parsed))  # a method's own `step` (ar:step=compile) over --step
-    targets = {spec: Target(*a, step=resolve_step(getattr(options[spec][1], "step", "") or args.step, device))
+    targets = {spec: Target(*a, step=resolve_step(getattr(options[spec][1], "step", "") or args.step, device, model,
+                                                    drafters[spec]))
                for spec, a in adapted.items()}
     return Setup(dtype, model, tokenizer, eos_token_ids(model, tokenizer), drafters, targets, hf_model, kernels)
 
@@ -289,6 +296,11 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
                 decode(setup.targets[spec], drafter, prompts[0]["ids"], min(args.max_new_tokens, 32), args.temperature,
                        args.top_p, setup.eos, torch.Generator(device).manual_seed(args.seed))
             setup.host_reads[spec] = statistics.mean(steps[1:]) if len(steps) > 1 else None
+    cache_len = round(statistics.mean(len(p["ids"]) for p in prompts)) + args.max_new_tokens // 2
+    for setup in setups.values():  # each method's floor, timed after each of its decodes (`step_floors`)
+        for spec, target in setup.targets.items():
+            setup.floors[spec] = RowsFloor(target, cache_len)
+            setup.floor_ms[spec] = []
     rounds, loads = {d: [] for d in setups}, []
     bar = tqdm(total=args.rounds * len(prompts) * len(pairs), desc="bench", unit="run")
     for r in range(args.rounds):
@@ -304,6 +316,9 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
                     res = decode(setup.targets[spec], setup.drafters[spec], prompt["ids"], args.max_new_tokens,
                                  args.temperature, args.top_p, setup.eos, generator)
                     run = dataclasses.asdict(res)
+                    rows = decode_rows(res)
+                    if rows is not None:  # the floor of its rows, in the same conditions as its steps
+                        setup.floor_ms[spec].append(setup.floors[spec].ms(rows))
                 runs[d][spec].append(run)
                 bar.update(1)
                 bar.set_postfix(method=spec, dtype=d, round=r + 1)
@@ -314,12 +329,11 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
     return rounds, loads
 
 
-def step_floors(results: dict, setup: Setup, prompts: list[dict], args) -> None:
+def step_floors(results: dict, setup: Setup, args) -> None:
     """Each method's decoding step against its floors: `x_rows` = its mean step over a plain forward
-    of as many rows on its target's kernels (`mtpkit.eval.step_rows`: the rest is the loop's
-    overhead), `x_floor` = over the device probe's step floor (--floor); `compile_s` of a
-    compiling baseline."""
-    cache_len = round(statistics.mean(len(p["ids"]) for p in prompts)) + args.max_new_tokens // 2
+    of as many rows on its target's kernels (`mtpkit.eval.step_rows`: the median of the forwards
+    timed after each of its decodes, in the run; the rest is the loop's overhead), `x_floor` = over
+    the device probe's step floor (--floor); `compile_s` of a compiling baseline."""
     for spec, r in results["methods"].items():
         if spec in setup.compile_s:
             r["compile_s"] = round(setup.compile_s[spec], 2)
@@ -329,12 +343,28 @@ def step_floors(results: dict, setup: Setup, prompts: list[dict], args) -> None:
             r["step"] = target.step
         if setup.host_reads.get(spec) is not None:
             r["host_reads_step"] = round(setup.host_reads[spec], 2)
-        if r.get("decode_step_ms") is None:
+        if r.get("decode_step_ms") is None or not setup.floor_ms.get(spec):
             continue
-        r["rows_ms"] = round(rows_forward_ms(setup.targets[spec], max(1, round(r["decode_rows"])), cache_len), 3)
+        r["rows_ms"] = round(statistics.median(setup.floor_ms[spec]), 3)
         r["x_rows"] = round(r["decode_step_ms"] / r["rows_ms"], 4)
         if getattr(args, "floor_ms", None):
             r["x_floor"] = round(r["decode_step_ms"] / args.floor_ms, 4)
+
+
+def record_steps(results: dict, setup: Setup) -> None:
+    """An eager and a compiled AR in one run (`ar ar:step=compile`) on a CPU: their decoding steps
+    recorded for this machine and model, from which `--step auto` decides (`step_plan`)."""
+    steps = {setup.targets[spec].step: r.get("decode_step_ms") for spec, r in results["methods"].items()
+             if spec in setup.targets and type(setup.drafters[spec]) is Drafter}
+    if setup.model.get_input_embeddings().weight.device.type != "cpu" or None in (steps.get("eager"),
+                                                                                    steps.get("compile")):
+        return
+    compiled = next(spec for spec in setup.targets if type(setup.drafters[spec]) is Drafter
+                    and setup.targets[spec].step == "compile")
+    entry = step_plan.record(setup.model, steps["eager"], steps["compile"], setup.targets[compiled].steps.compile_seconds)
+    print(f"[bench] recorded for --step auto on this machine: AR's compiled step {steps['compile']:.1f} ms against "
+          f"eager {steps['eager']:.1f} ms -> auto {'compiles' if entry['compile'] else 'stays eager'} "
+          f"({step_plan.plan_path(setup.model)})")
 
 
 def main(argv=None) -> dict:
@@ -371,7 +401,8 @@ def main(argv=None) -> dict:
         for spec, drafter in setup.drafters.items():  # a head let onto another backbone: marked, warned
             if getattr(getattr(drafter, "model", None), "other_backbone", False):
                 results["methods"][spec]["other_backbone"] = True
-        step_floors(results, setup, prompts, args)
+        step_floors(results, setup, args)
+        record_steps(results, setup)
         results["warnings"] = timing_warnings(results)[0]
         results["config"] = {k: v for k, v in vars(args).items() if k != "parsed"}
         results["config"].update(device=str(device), dtype=name)  # what auto resolved to

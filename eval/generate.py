@@ -115,8 +115,8 @@ class Runner:
     (if any) loads once, and the target's products are packed as the bench packs them (`linear`:
     see eval/bench.py --linear; `model` is changed in place). `drafter`: the method's drafter
     built already by `decoder_drafter` (as the CLI does, to check it before the model loads).
-    `step`: how decoding steps run (eval/bench.py --step; auto = CUDA graphs on CUDA, eager on a
-    CPU), `max_len`: a static cache's positions (prompt + reply) for the fixed-step modes."""
+    `step`: how decoding steps run (eval/bench.py --step; auto = CUDA graphs on CUDA; on a CPU
+    compiled steps where this machine measured them faster, `mtpkit.models.decoding.step_plan`), `max_len`: a static cache's positions (prompt + reply) for the fixed-step modes."""
 
     def __init__(self, model, tokenizer, method: str = "ar", linear: str = "stock", fuse: bool = True,
                  drafter=None, step: str = "auto", max_len: int = 4096):
@@ -124,7 +124,7 @@ class Runner:
         self.drafter = drafter if drafter is not None else decoder_drafter(self.spec)
         target_model, gate = self.drafter.adapt(model, {})
         pack_targets(model, [target_model] if target_model is not model else [], linear, fuse)
-        step = resolve_step(step, model.get_input_embeddings().weight.device)
+        step = resolve_step(step, model.get_input_embeddings().weight.device, model, self.drafter)
         self.target = Target(target_model, gate, step=step, max_len=max_len)
         self.eos = eos_token_ids(model, tokenizer)
 

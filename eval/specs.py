@@ -9,6 +9,7 @@ import math
 import typing
 
 from mtpkit.models.cli_help import field_docs
+from mtpkit.models.decoding.step import STEP_CHOICES
 from mtpkit.models.registry import METHODS
 
 
@@ -42,6 +43,9 @@ def parse_method(spec: str):
             raise MethodError(f"--methods {spec!r}: option {key} needs {need}, got {raw!r}") from None
         if kind is float and not math.isfinite(values[key]):
             raise MethodError(f"--methods {spec!r}: option {key} needs a finite number, got {raw!r}")
+    if values.get("step", "") not in ("",) + STEP_CHOICES:
+        raise MethodError(f"--methods {spec!r}: option step needs one of {', '.join(STEP_CHOICES)}, "
+                          f"got {values['step']!r}")
     try:
         return name, cls(**values)
     except (TypeError, ValueError) as e:

@@ -4,36 +4,67 @@ A step of a method feeds R rows (root, drafts, masks) to the target; a plain for
 rows on the same target and kernels (the body on a KV cache, then the LM head over every row, no
 gate, no drafting, no acceptance) is the least that step can cost. The bench divides each
 method's mean decoding-step time by it (`x_rows`): 1.00 would be a loop with no overhead at all.
+It times the floor between its decodes (`RowsFloor`), so the floor runs in the same conditions as
+the steps it divides (caches, clocks and load change over a run: a floor timed in a tight loop
+after the run is faster than the same forward inside it).
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from mtpkit.eval.device_probe import timed
+from mtpkit.eval.device_probe import sync
 from mtpkit.models.decoding.cache import new_cache
-from mtpkit.models.decoding.decoder import Target
+from mtpkit.models.decoding.decoder import DecodeResult, Target
 
 
-@torch.no_grad()
-def rows_forward_ms(target: Target, rows: int, cache_len: int, repeats: int = 7) -> float:
-    """Median ms of one plain forward of `rows` new positions after `cache_len` cached ones on
-    `target` (its body on the decoder's own cache kind, then its LM head on every row)."""
-    device = target.device
-    generator = torch.Generator().manual_seed(0)
-    vocab = target.embed.weight.shape[0]
-    past = torch.randint(0, vocab, (1, cache_len), generator=generator).to(device)
-    new = torch.randint(0, vocab, (1, rows), generator=generator).to(device)
-    cache = new_cache(target.cache, target.config, cache_len + rows)
-    target.body(input_ids=past, past_key_values=cache.hf, use_cache=True)
-    cache.compact(cache_len, [])
-    positions = torch.arange(cache_len, cache_len + rows, device=device)[None]
+class RowsFloor:
+    """Plain forwards of R new rows after `cache_len` cached positions on `target`, timed one at a
+    time on demand (the prompt is prefilled once; each forward's rows are dropped again)."""
 
-    def forward():
-        hidden = target.body(input_ids=new, position_ids=positions, past_key_values=cache.hf,
-                             use_cache=True).last_hidden_state[0]
+    def __init__(self, target: Target, cache_len: int, max_rows: int = 64):
+        self.target, self.cache_len = target, cache_len
+        device = target.device
+        generator = torch.Generator().manual_seed(0)
+        vocab = target.embed.weight.shape[0]
+        past = torch.randint(0, vocab, (1, cache_len), generator=generator).to(device)
+        self.new = torch.randint(0, vocab, (1, max_rows), generator=generator).to(device)
+        # on EvaByte a step stays in its attention window (`draft_room`): rows past its end sit at its last position
+        room = target.adapter.draft_room(cache_len)
+        self.positions = (cache_len + torch.arange(max_rows).clamp(max=max_rows if room is None else room))[None].to(device)
+        self.cache = new_cache(target.cache, target.config, cache_len + max_rows)
+        with torch.no_grad():
+            target.body(input_ids=past, past_key_values=self.cache.hf, use_cache=True)
+        self.cache.compact(cache_len, [])
+        self.warm: set[int] = set()
+
+    @torch.no_grad()
+    def forward(self, rows: int) -> None:
+        target = self.target
+        hidden = target.body(input_ids=self.new[:, :rows], position_ids=self.positions[:, :rows],
+                             past_key_values=self.cache.hf, use_cache=True).last_hidden_state[0]
         target.lm_head(hidden)
-        cache.compact(cache_len, [])  # drop the rows again
+        self.cache.compact(self.cache_len, [])  # drop the rows again
 
-    forward()  # a second warm-up call beside timed's own
-    return 1000 * timed(forward, repeats, device)["median"]
+    def ms(self, rows: int) -> float:
+        """One timed forward of `rows` rows, in ms (a row count's first call is a warm-up first)."""
+        device = self.target.device
+        if rows not in self.warm:
+            self.forward(rows)
+            self.warm.add(rows)
+        sync(device)
+        started = time.perf_counter()
+        self.forward(rows)
+        sync(device)
+        return 1000 * (time.perf_counter() - started)
+
+
+def decode_rows(result: DecodeResult) -> int | None:
+    """A decode's mean rows a decoding step (the prefill step left out), rounded; None without one."""
+    steps = result.target_calls - (result.prefill_tokens > 0)
+    if steps <= 0:
+        return None
+    return max(1, round((result.forward_tokens - result.prefill_tokens) / steps))
+

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from mtpkit.models.decoding.drafter import Draft, Drafter
+from mtpkit.models.decoding.step import StepOptions
 from mtpkit.models.method import Method
 
 
 @dataclass
-class PLDConfig:
+class PLDConfig(StepOptions):
     ngram_max: int = 3
     """longest n-gram to match: longer matches propose drafts more often right"""
     ngram_min: int = 1

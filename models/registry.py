@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from mtpkit.models import gated_lora, medusa, mtpc, pld, probe
 from mtpkit.models.decoding.drafter import Drafter, StockAR
-from mtpkit.models.decoding.step import STEP_CHOICES
+from mtpkit.models.decoding.step import StepOptions
 from mtpkit.models.method import Method
 
 
@@ -23,14 +23,8 @@ class NoOptions:
 
 
 @dataclass
-class AROptions:
-    step: str = ""
-    """this AR's decoding step (auto, eager, static, compile, graph; '' = the bench's --step): `ar
-    ar:step=compile` compares the eager and the compiled step in one interleaved run"""
-
-    def __post_init__(self):
-        if self.step not in ("",) + STEP_CHOICES:
-            raise ValueError(f"step {self.step!r}: choose one of {', '.join(STEP_CHOICES)}")
+class AROptions(StepOptions):
+    pass
 
 
 @dataclass

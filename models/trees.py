@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from mtpkit.models.decoding.drafter import Draft, StepOutput
+from mtpkit.models.decoding.step import StepOptions
 
 
 @lru_cache(maxsize=512)
@@ -363,7 +364,7 @@ def load_bank(spec: str, task: str | None = None, blocks: str = "") -> tuple[lis
 
 
 @dataclass
-class TreeOptions:
+class TreeOptions(StepOptions):
     """Draft-tree options of the mask-token drafters (`MaskTreeDrafting`) and of MTPC
     (`mtpkit.models.mtpc.drafter`, which words `tree` for its circuit)."""
     tree: str = ""

@@ -27,6 +27,7 @@ exactness oracle. The prefill (the prompt) is always eager, on the same slab.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import torch
@@ -38,12 +39,29 @@ STEPS = ("eager", "static", "graph", "compile")
 
 STEP_CHOICES = ("auto",) + STEPS  # what `--step` takes
 
+# `compile`: one whole graph a step (a graph break inside it fails instead of running the step in
+# pieces), its shapes fixed
+COMPILE = {"fullgraph": True, "dynamic": False}
 
-def resolve_step(step: str, device: torch.device) -> str:
-    """`auto`: captured CUDA graphs on CUDA, the eager step elsewhere; any other mode as given."""
+
+@dataclasses.dataclass
+class StepOptions:
+    """The decoding-step option every decoder method takes (keyword only, after its own)."""
+    step: str = dataclasses.field(default="", kw_only=True)
+    """this method's decoding step (auto, eager, static, compile, graph; '' = the bench's --step): `ar
+    ar:step=compile pld pld:step=compile` compares eager and compiled steps in one interleaved run"""
+
+
+def resolve_step(step: str, device: torch.device, model=None, drafter=None) -> str:
+    """`auto`: captured CUDA graphs on CUDA; on a CPU compiled steps where this machine measured them
+    faster for `model` and `drafter` has few step shapes (`step_plan.auto_step`), else eager. Any
+    other mode as given."""
     if step != "auto":
         return step
-    return "graph" if torch.device(device).type == "cuda" else "eager"
+    if torch.device(device).type == "cuda" or model is None:
+        return "graph" if torch.device(device).type == "cuda" else "eager"
+    from mtpkit.models.decoding.step_plan import auto_step
+    return auto_step(model, device, drafter)
 
 
 def check_step(step: str, device: torch.device) -> None:
@@ -74,7 +92,7 @@ class ShapeStep:
         self.graph = None
         self.outputs = None
         self.compile_seconds = 0.0
-        self.fn = torch.compile(self.forward, dynamic=False) if mode == "compile" else self.forward
+        self.fn = torch.compile(self.forward, **COMPILE) if mode == "compile" else self.forward
 
     def forward(self):
         """Every row's (hidden, logits, argmax, shared hidden states or None) of this shape's step."""

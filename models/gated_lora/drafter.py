@@ -104,6 +104,12 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
         # across runs are not samples from q, and the acceptance rule would be biased)
         self.gen = torch.Generator().manual_seed(config.seed)
 
+    @property
+    def few_shapes(self) -> bool:
+        """Linear and quadratic chains, or one static tree: a step shape or two, each compiled once
+        (`mtpkit.models.decoding.step_plan`)."""
+        return self.trees is None or len(set(self.schedule.trees)) == 1
+
     def adapt(self, model, shared: dict):
         """A copy of `model` carrying the gated adapter (one copy per head folder), and its gate."""
         if self.model is None:

@@ -36,6 +36,7 @@ import torch
 from transformers import DynamicCache
 
 from mtpkit.models.decoding.drafter import Draft, Drafter, StepOutput
+from mtpkit.models.decoding.step import StepOptions
 from mtpkit.models.head_folder import recorded_backbone
 from mtpkit.models.medusa.head import load_head, read_settings
 from mtpkit.models.medusa.model import MedusaConfig, MedusaHeads
@@ -44,7 +45,7 @@ from mtpkit.models.trees import check_ranks, compile_topology
 
 
 @dataclass
-class MedusaDraftConfig:
+class MedusaDraftConfig(StepOptions):
     head: str = ""
     """head folder (train/export.py output or a checkpoint's head/) of Medusa or Hydra heads"""
     tree: str = ""

@@ -18,7 +18,8 @@ def test_method_specs_parse_to_typed_configs():
 @pytest.mark.parametrize("spec, message", [
     ("nope", "unknown method 'nope'"), ("probe:foo=1", "options of probe: bc, masks"),
     ("probe:bc=x", "option bc needs a int"), ("pld:draft_len", "bad option 'draft_len'"),
-    ("ar:x=1", "options of ar: step"), ("ar:step=fast", "step 'fast': choose one of auto, eager"),
+    ("ar:x=1", "options of ar: step"), ("ar:step=fast", "option step needs one of auto, eager"),
+    ("pld:step=fast", "option step needs one of auto"),
 ])
 def test_unknown_methods_and_malformed_options_are_clear_errors(spec, message, capsys):
     with pytest.raises(SystemExit):

@@ -10,6 +10,7 @@ import torch
 from chisquare import chi2_pvalue
 from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.decoding.drafter import Drafter
+from mtpkit.models.decoding import step
 from mtpkit.models.decoding.step import STEPS
 from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig
 from mtpkit.models.pld import PLDConfig, PLDDrafter
@@ -134,6 +135,22 @@ def test_compiled_steps_equal_ar_and_time_their_compilation(tiny):
     assert first > 0 and len(target.steps.steps) == 1
     assert decode(target, Drafter(), PROMPT, 12).tokens == truth
     assert target.steps.compile_seconds == first  # the second prompt reuses the compiled step
+
+
+def test_compiled_gated_steps_trace_whole_and_equal_ar(tiny, monkeypatch):
+    """The gate's suffix inside a compiled step (linear decoding, the README head's): each step
+    shape traces as one graph (`fullgraph`:
+    a graph break or a host read inside fails) and equals AR with drafts accepted. Traced by
+    dynamo and functionalised, run without inductor's code generation (`aot_eager`), which the AR
+    test above runs."""
+    monkeypatch.setattr(step, "COMPILE", {**step.COMPILE, "backend": "aot_eager"})
+    model, _ = tiny
+    gated = make_gated(model, k=3, rank=4, seed=5)
+    truth = decode(Target(model), Drafter(), PROMPT, 24).tokens
+    oracle = OracleGated(truth, GatedLoRADraftConfig(decoding="linear", sampler=False), gated, seed=1)
+    target = Target(*oracle.adapt(None, {}), step="compile")
+    got = decode(target, oracle, PROMPT, 24)
+    assert got.tokens == truth and got.tau > 1.5 and len(target.steps.steps) <= 3  # the first drafts' shapes, then one
 
 
 def test_bad_step_settings_are_refused_in_one_line(tiny):
