@@ -48,7 +48,7 @@ from mtpkit.models.backbone import DEFAULT_BACKBONE, add_device_args, eos_token_
 from mtpkit.models.decoding.decoder import Target
 from mtpkit.models.packed_linear import LINEARS
 from mtpkit.models.process import run_script
-from mtpkit.models.trees import BLOCKS
+from mtpkit.models.trees import BLOCKS, SIGNALS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -114,11 +114,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "as the deepest scheduled tree, hyst swept from 1 to that depth). An MTPC head queries "
                         "them one after another, each a sequential circuit query per step; 1 costs none (the "
                         "tree's first query): use 1 where those queries are dear")
-    p.add_argument("--ema-alphas", default="0.5,0.8,0.9",
-                   help="hyst: also sweep each pair on the EMA signal (the target's top-1 probability averaged "
-                        "over the generated tokens, weight alpha on the old value) with these alphas; the faster "
-                        "signal is kept. '' = the path value only (a shorter sweep); gated_lora and probe only "
+    p.add_argument("--signals", default="path,path_sum,entropy,accept,ema",
+                   help="ladder and hyst: the run-time signals to sweep, the fastest kept (mtpkit.models.trees): "
+                        "path (EAGLE-2's path value at the value depth), path_sum (the path values summed over "
+                        "depths), entropy (the smoothed block-start entropy), accept (the EMA of the accept "
+                        "length), ema (the EMA of the target's top-1 probability). Those a method cannot replay "
+                        "are skipped: MTPC path and path_sum only, ema mask-token drafters only; the gated_lora, "
+                        "probe and mtpc drafters decode them (medusa and hydra: one static tree) "
                         "(default: %(default)s)")
+    p.add_argument("--ema-alphas", default="0.5,0.8,0.9",
+                   help="the weights on the old value of the smoothed signals (entropy, accept, ema), each swept; "
+                        "'' = none of them (a shorter sweep) (default: %(default)s)")
     p.add_argument("--pool-speed", type=float, default=0.8,
                    help="the schedules may also use trees of the tau frontier whose simulated tokens/s is at least "
                         "this share of the best tree's (they join the bank); 0: every tau-frontier tree "
@@ -162,6 +168,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--ema-alphas {args.ema_alphas!r}: comma-separated numbers in [0, 1), e.g. 0.5,0.8,0.9")
     if any(not 0.0 <= a < 1.0 for a in args.ema_alphas):
         p.error(f"--ema-alphas {args.ema_alphas}: each alpha must be in [0, 1)")
+    args.signals = tuple(dict.fromkeys(x.strip() for x in args.signals.split(",") if x.strip()))
+    for x in args.signals:
+        if x not in SIGNALS:
+            p.error(f"--signals {x!r}: each signal must be one of {', '.join(SIGNALS)}")
     args.blocks = list(dict.fromkeys(b.strip() for b in args.blocks.split(",")))
     for b in args.blocks:
         if b not in BLOCKS:
@@ -181,14 +191,15 @@ def main(argv=None) -> dict:
     for prompt in load_prompts(args, tokenizer, base.config.max_position_embeddings - args.max_new_tokens - k - 1):
         tasks.setdefault(prompt["category"], []).append(prompt)
     cals, held = calibrate_tasks(subject, Target(base), tasks, args, eos_token_ids(base, tokenizer))
-    trees, candidates = candidate_trees(cals, k, args.budgets, args.max_rank, args.blocks, subject.chains_only)
+    trees, candidates, biased = candidate_trees(cals, k, args.budgets, args.max_rank, args.blocks,
+                                                subject.chains_only)
 
     target = subject.target
     mean_prompt = round(statistics.mean(c.prompt_len for cs in cals.values() for c in cs))
     costs, measured = step_costs(target, trees, k, mean_prompt, args.cache_len, args.rounds, subject.candidates,
                                  subject.masks)
     bank, task_reports = build_bank(cals, trees, candidates, k, costs, subject.masks, args.pool_speed, args.pool_size,
-                                    args.hyst_ratio, args.value_depth, args.ema_alphas)
+                                    args.hyst_ratio, args.value_depth, args.ema_alphas, args.signals, biased)
     report = {"backbone": args.backbone, "method": args.method, **subject.settings, "k": k,
               "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
               "blocks": ",".join(args.blocks), "max_new_tokens": args.max_new_tokens,

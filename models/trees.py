@@ -31,16 +31,34 @@ to an index into the bank:
   tries the other order (a bigger step on the doubtful steps: a chain-block tree's root block
   proposes again after a rejection, which pays where the draft is likely rejected).
 
-A schedule's `signal` says what v is: `path` (the path value above) or `ema`, a running estimate
-of local predictability, the exponential moving average of the target's top-1 probability over
-the tokens generated so far (v <- alpha v + (1 - alpha) p per token, p read off the verifier's
-rows that predicted the step's tokens: the root and the accepted nodes). `ema` is for the
-mask-token drafters (gated LoRA, the probe); MTPC schedules read the path value.
+A schedule's `signal` says what v is (every one is higher where the draft is likelier accepted,
+so the same ladder and hyst rules read each):
+
+- `path` (the default): EAGLE-2's path value of the greedy chain at depth D, the product above,
+  V_D = p_0 p_1 ... p_D (p_0 the target's top-1 probability, p_d the head's at depth d);
+- `path_sum`: the sum of the chain's path values over depths 1..D, V_1 + ... + V_D (under
+  independent acceptance, the expected number of drafts the chain gets accepted);
+- `entropy`: the smoothed block-start entropy of EntMTP's Appendix A, H = the entropy (nats) of
+  the target's distribution at the last accepted node (the row the bonus came from: the position
+  the next block starts after), averaged H' <- alpha H' + (1 - alpha) H once per tree choice;
+  v = exp(-H') in (0, 1], so a threshold t on v is H' <= -ln t;
+- `accept`: the EMA of the accept length of Appendix A, a = the tokens a drafted step added (its
+  accepted drafts and the bonus), a' <- alpha a' + (1 - alpha) a after every drafted step; v = a'
+  (no drafted step yet: the schedule keeps its first tree);
+- `ema`: the exponential moving average of the target's top-1 probability over the tokens
+  generated so far (v <- alpha v + (1 - alpha) p per token, p read off the verifier's rows that
+  predicted the step's tokens: the root and the accepted nodes).
+
+EntMTP's Section 4 names the path values the policy's features and its scalar "monotone in the
+verifier's expected accept length"; whether that scalar is V_D or the sum over depths is not
+recoverable from the text (its formulas are lost), hence both. `entropy`, `accept` and `ema` are
+for the mask-token drafters (gated LoRA, the probe); MTPC schedules read `path` or `path_sum`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from functools import lru_cache
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +102,30 @@ BLOCKS = ("chain", "all", "root", "leaf")
 MAX_DEPTH = 64
 """the deepest draft a tree may have (a chain of 64 drafted tokens is far past any accepted length)"""
 SCHEDULES = ("static", "ladder", "hyst")
-SIGNALS = ("path", "ema")
+SIGNALS = ("path", "path_sum", "entropy", "accept", "ema")
+SMOOTHED = ("entropy", "accept", "ema")
+"""signals that are running averages (weight `alpha` on the old value)"""
+
+
+def path_signal(signal: str, target_top1: float, head_top1: list[float]) -> float:
+    """The chain's scalar from its factors: the target's top-1 probability p_0 and the head's top-1
+    probabilities p_1..p_D along its greedy chain. EAGLE-2's path value at depth d is
+    V_d = p_0 p_1 ... p_d; `path` is V_D (p_0 alone for D = 0), `path_sum` is V_1 + ... + V_D."""
+    value, total = float(target_top1), 0.0
+    for p in head_top1:
+        value *= float(p)
+        total += value
+    if signal == "path":
+        return value
+    if signal == "path_sum":
+        return total
+    raise ValueError(f"path_signal: {signal!r} is not a path signal (path, path_sum)")
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy (nats) of softmax(logits) over the last dimension: [..., V] -> [...]."""
+    logp = torch.log_softmax(logits.float(), -1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def parse_paths(spec) -> list[tuple[int, ...]]:
@@ -248,10 +289,13 @@ class Schedule:
     value_depth: int = 0
     """depths of the head's chain in the path value (0: as deep as the deepest scheduled tree)"""
     signal: str = "path"
-    """what the thresholds compare: path (the path value) or ema (the target's top-1 probability
-    averaged over the generated tokens with weight `alpha` on the old value)"""
+    """what the thresholds compare (the module docstring): path (the path value at depth D),
+    path_sum (the path values summed over depths 1..D), entropy (exp of minus the smoothed
+    block-start entropy), accept (the EMA of the accept length) or ema (the EMA of the target's
+    top-1 probability over the generated tokens)"""
     alpha: float = 0.0
-    """signal=ema: the weight of the running average, in [0, 1) (0: the last token's alone)"""
+    """entropy, accept, ema: the weight of the running average on the old value, in [0, 1)
+    (0: the last observation alone)"""
 
     def __post_init__(self):
         if self.kind not in SCHEDULES:
@@ -283,10 +327,13 @@ class Schedule:
         """Position in `trees` of the first step's tree (ladder: the smallest; hyst: `low`)."""
         return 0
 
-    def next(self, current: int, value: float) -> int:
-        """Position in `trees` for the next step, from the current one and the path value."""
+    def next(self, current: int, value: float | None) -> int:
+        """Position in `trees` for the next step, from the current one and the signal's value v
+        (None: nothing observed yet, the current tree kept)."""
         if self.kind == "static":
             return 0
+        if value is None:
+            return current
         if self.kind == "ladder":
             return sum(value >= t for t in self.thresholds)
         tau_off, tau_on = self.thresholds
@@ -294,19 +341,27 @@ class Schedule:
             return 1 if value >= tau_on else 0
         return 0 if value < tau_off else 1
 
-    def smooth(self, ema: float | None, probs) -> float | None:
-        """signal=ema: the average after tokens whose target top-1 probabilities are `probs`, in
-        order, from `ema` (None: no token yet, so the first token's probability starts it)."""
-        for p in probs:
-            ema = float(p) if ema is None else self.alpha * ema + (1.0 - self.alpha) * float(p)
+    def smooth(self, ema: float | None, observed) -> float | None:
+        """A smoothed signal's average after the observations `observed` (host numbers), in order,
+        from `ema` (None: nothing yet, so the first observation starts it)."""
+        for x in observed:
+            ema = float(x) if ema is None else self.alpha * ema + (1.0 - self.alpha) * float(x)
         return ema
+
+    def value(self, average: float | None) -> float | None:
+        """v of a smoothed signal from its running average: exp(-H') for entropy, else the average."""
+        if self.signal == "entropy" and average is not None:
+            return math.exp(-average)
+        return average
 
     def to_json(self) -> dict:
         out = {"kind": self.kind, "trees": list(self.trees), "thresholds": list(self.thresholds)}
         if self.value_depth:
             out["value_depth"] = self.value_depth
-        if self.signal != "path":
+        if self.signal in SMOOTHED:
             out.update(signal=self.signal, alpha=self.alpha)
+        elif self.signal != "path":
+            out["signal"] = self.signal
         return out
 
     def depth_of_value(self, deepest: int) -> int:
@@ -375,8 +430,10 @@ class TreeOptions(StepOptions):
     multi-candidate rule). A bank searched for your machine and task drafts the trees that pay there"""
     schedule: str = "static"
     """static | ladder | hyst: which of the bank's trees each step uses (mtpkit.models.trees);
-    ladder and hyst read their trees and thresholds from the bank's schedules for `task`, and
-    switch trees per step by the path value: where the bank's simulated tokens/s says they pay"""
+    ladder and hyst read their trees, thresholds and signal from the bank's schedules for `task`,
+    and switch trees per step by that signal (the path value, its sum over depths, the smoothed
+    block-start entropy, the EMA of the accept length or of the target's top-1 probability):
+    where the bank's simulated tokens/s says they pay"""
     task: str = ""
     """the bank's task whose calibrated schedules to use ('' = the first in the file): the one
     closest to the prompts you serve"""
@@ -458,7 +515,7 @@ class MaskTreeDrafting:
             self.bank = TopologyBank(self.trees, block)
         self.block = block
         self.position = self.schedule.start()  # index into schedule.trees
-        self.ema = None  # signal=ema: the running average (None until the first token)
+        self.ema = None  # a smoothed signal's running average (None until the first observation)
         self.current = None  # the compiled tree of the draft in flight (None: no draft)
         self.tree_tokens: list[int] = []
         if self.tree_options.log and self.tree_log is None:  # line-buffered: one line per step, kept on a crash
@@ -481,14 +538,16 @@ class MaskTreeDrafting:
             rows = self.current.block_rows.get(step.last_node)
         used = self.schedule.trees[self.position] if self.current is not None else None
         value = None
-        reads_ema = self.schedule.switches and self.schedule.signal == "ema"
-        if reads_ema:  # every step's tokens, whether or not the next step drafts
-            self.ema = self.schedule.smooth(self.ema, self.top1([0] + step.accepted, step))
+        signal = self.schedule.signal if self.schedule.switches else None
+        if signal == "ema":  # every step's tokens, whether or not the next step drafts (one host read)
+            self.ema = self.schedule.smooth(self.ema, self.top1([0] + step.accepted, step).tolist())
+        elif signal == "accept" and used is not None:  # every drafted step's accept length (host data)
+            self.ema = self.schedule.smooth(self.ema, [len(step.accepted) + 1])
         if rows is None:  # the deepest accepted node carries no mask block: no speculation next
             self.current, self.tree_tokens = None, []
         else:
-            if self.schedule.switches:
-                value = self.ema if reads_ema else self.path_value(step, rows)
+            if signal is not None:
+                value = self.signal_value(step, rows)
                 self.position = self.schedule.next(self.position, value)
             self.current = self.bank.get(self.schedule.trees[self.position])
             self.tree_tokens = self.candidates(step, rows, self.current)
@@ -497,12 +556,25 @@ class MaskTreeDrafting:
                                             "next": None if self.current is None
                                             else self.schedule.trees[self.position]}) + "\n")
 
+    def signal_value(self, step: StepOutput, rows: list[int]) -> float | None:
+        """The schedule's v before choosing the next tree, the block after the last accepted node
+        at `rows`: at most one host read (path, path_sum: the chain's factors; entropy: the
+        block-start entropy; accept and ema read nothing here)."""
+        s = self.schedule
+        if s.signal in ("path", "path_sum"):
+            return self.path_value(step, rows)
+        if s.signal == "entropy":  # the target's distribution at the last accepted node (the bonus's row)
+            self.ema = s.smooth(self.ema, entropy(step.logits([step.last_node])).tolist())
+        return s.value(self.ema)
+
     def path_value(self, step: StepOutput, rows: list[int]) -> float:
-        """EAGLE-2's path value at this step: the target's top-1 probability at the last accepted
-        node (its bonus token) times the mask head's top-1 probability at every mask of the block
-        (the schedule's first `value_depth`). Read off logits the verifier computes anyway."""
+        """EAGLE-2's path values at this step (`path_signal`): the target's top-1 probability at the
+        last accepted node (its bonus token) and the mask head's top-1 probability at every mask of
+        the block (the schedule's first `value_depth`), multiplied (path) or the chain's products
+        summed over depths (path_sum). Read off logits the verifier computes anyway, in one read."""
         depth = self.schedule.depth_of_value(self.block)
-        return float(self.top1([step.last_node] + rows[:depth], step).prod())
+        top1 = self.top1([step.last_node] + rows[:depth], step).tolist()
+        return path_signal(self.schedule.signal, top1[0], top1[1:])
 
     @staticmethod
     def top1(rows: list[int], step: StepOutput) -> torch.Tensor:

@@ -34,6 +34,7 @@ from mtpkit.data.chat import IGNORE
 from mtpkit.data.mtp import collate_cached, mask_inputs
 from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.decoding.drafter import Drafter
+from mtpkit.models.trees import entropy
 
 MISS = 1 << 20  # rank of a true token outside the head's top `--max-rank` (or past the end)
 
@@ -42,8 +43,8 @@ MISS = 1 << 20  # rank of a true token outside the head's top `--max-rank` (or p
 class Calibration:
     """One prompt's teacher-forced pass: n generated tokens; for anchor j (position P - 1 + j,
     j < n) ranks[j, d-1] = rank of the true token at depth d in the head's candidates of the block
-    after that position, target_top1[j] = the target's top-1 probability there and head_top1[j, d-1]
-    = the base head's top-1 probability at mask d."""
+    after that position, target_top1[j] = the target's top-1 probability there (target_entropy[j]
+    its entropy) and head_top1[j, d-1] = the base head's top-1 probability at mask d."""
     task: str
     prompt_len: int
     n: int
@@ -63,6 +64,9 @@ class Calibration:
     path value after a rejection, whose bonus the next window is conditioned on)"""
     window: int = 0
     """MTPC: the head's window n (a kept byte leaves n - 1 positions to draft)"""
+    target_entropy: torch.Tensor | None = None
+    """[n]: the entropy (nats) of the target's distribution at anchor j, the block-start entropy
+    of the `entropy` signal (`mtpkit.models.trees`; None: a calibration file made before it)"""
 
 
 @torch.no_grad()
@@ -89,7 +93,8 @@ def calibrate(model, ids: list[int], prompt_len: int, task: str, sampler: bool, 
     prev = batch["prev_ids"][0]
     ranked = (lambda rows, base: model.sampler_logits(prev[rows], z[rows]).float()) if sampler else None
     ranks, head_top1 = rank_masks(model.lm_head, z, batch["labels"][0], k, max_rank, ranked, chunk)
-    return Calibration(task, prompt_len, n, ranks, target_top1.cpu(), head_top1)
+    return Calibration(task, prompt_len, n, ranks, target_top1.cpu(), head_top1,
+                       target_entropy=entropy(target_logits).cpu())
 
 
 def _on(batch: dict, device) -> dict:
@@ -143,9 +148,11 @@ def calibrate_probe(target: Target, drafter, ids: list[int], prompt_len: int, ta
     z = target.body(inputs_embeds=embeds, attention_mask=batch["attention_mask"].to(out.last_hidden_state.dtype),
                    position_ids=batch["position_ids"], past_key_values=out.past_key_values,
                    use_cache=False).last_hidden_state[0]  # [n * k, d]: anchor-major
-    target_top1 = torch.softmax(target.lm_head(out.last_hidden_state[0, prompt_len - 1: len(ids) - 1]).float(), -1).amax(-1)
+    target_logits = target.lm_head(out.last_hidden_state[0, prompt_len - 1: len(ids) - 1]).float()  # [n, V]
+    target_top1 = torch.softmax(target_logits, -1).amax(-1)
     ranks, head_top1 = rank_masks(target.lm_head, z, batch["labels"][0], k, max_rank, chunk=chunk)
-    return Calibration(task, prompt_len, n, ranks, target_top1.cpu(), head_top1)
+    return Calibration(task, prompt_len, n, ranks, target_top1.cpu(), head_top1,
+                       target_entropy=entropy(target_logits).cpu())
 
 
 @torch.no_grad()
@@ -206,7 +213,8 @@ def calibrate_mtpc(model, target: Target, ids: list[int], prompt_len: int, task:
             deep = min(depth, span - 1)
             kept[rows.cpu(), :deep] = chain_log_top1(params, chain, 1, deep).exp().float().cpu()
     return Calibration(task, prompt_len, n, ranks, target_top1, head_top1, cycle="alg2",
-                       accept=accept if sampled else None, head_top1_kept=kept if sampled else None, window=span)
+                       accept=accept if sampled else None, head_top1_kept=kept if sampled else None, window=span,
+                       target_entropy=entropy(logits).cpu())
 
 
 @torch.no_grad()
@@ -223,7 +231,8 @@ def calibrate_heads(heads, target: Target, ids: list[int], prompt_len: int, task
     x = torch.tensor(ids, device=device)
     n, P, K = len(ids) - prompt_len, prompt_len, heads.cfg.heads
     states = target.body(input_ids=x[None]).last_hidden_state  # [1, T, d]
-    target_top1 = torch.softmax(target.lm_head(states[0, P - 1: P - 1 + n]).float(), -1).amax(-1).cpu()
+    target_logits = target.lm_head(states[0, P - 1: P - 1 + n]).float()  # [n, V]
+    target_top1 = torch.softmax(target_logits, -1).amax(-1).cpu()
     h = heads.prefix_states(states)[0, P - 1: P - 1 + n]  # [n, d]: what the heads read (Hydra++: the prefix layer's)
     padded = torch.cat([x, x.new_zeros(K + 1)])
     ranks = torch.full((n, K), MISS, dtype=torch.long)
@@ -239,7 +248,8 @@ def calibrate_heads(heads, target: Target, ids: list[int], prompt_len: int, task
             valid = rows + d < n  # x[t+1+d] is a generated token
             ranks[rows.cpu(), d - 1] = torch.where(valid & (r < max_rank), r, torch.full_like(r, MISS)).cpu()
             head_top1[rows.cpu(), d - 1] = torch.softmax(logits, -1).amax(-1).cpu()
-    return Calibration(task, prompt_len, n, ranks, target_top1, head_top1, cycle="heads")
+    return Calibration(task, prompt_len, n, ranks, target_top1, head_top1, cycle="heads",
+                       target_entropy=entropy(target_logits).cpu())
 
 
 CALIBRATION_ARGS = ("backbone", "method", "sampler", "masks", "init", "lam", "max_depth", "limit", "per_category",

@@ -1,12 +1,39 @@
 """The tree search's report (`eval/tree_frontier.py`): the bank's markdown table (per task: every
-candidate tree, the schedules, the future-known bound; the held-out check) and its plot (tau and
-tokens/s against draft nodes, per task)."""
+candidate tree with EntMTP's Appendix B pair, its one-step "biased" mean accept length and the
+one on its own rollout; the schedules and their signals, the future-known bound; the held-out
+check) and its plot (tau and tokens/s against draft nodes, per task)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from mtpkit.eval.tree_search.schedules import NEVER
+
+SIGNAL_WORDS = {"path": "path value", "path_sum": "path values summed over depths",
+                "entropy": "smoothed block-start entropy", "accept": "EMA of the accept length",
+                "ema": "EMA of the target's top-1"}
+
+
+def signal_name(s: dict) -> str:
+    """A schedule entry's signal in words: the path value's depth, a smoothed signal's alpha."""
+    signal = s.get("signal", "path")
+    words = SIGNAL_WORDS[signal]
+    if signal in ("entropy", "accept", "ema"):
+        return f"{words}, alpha {s['alpha']}"
+    return f"{words} {s['value_depth']} deep" if s.get("value_depth") else words
+
+
+def appendix_b(rows: list[dict], frontier_names: set[str]) -> str | None:
+    """EntMTP's Appendix B line: the largest |biased - self| mean accept length over the
+    throughput frontier's trees, and whether both rank them alike (None: no tree scored)."""
+    scored = [r for r in rows if "biased_tau" in r and r["name"] in frontier_names]
+    if not scored:
+        return None
+    gap = max(abs(r["biased_tau"] - r["self_tau"]) for r in scored)
+    order = lambda key: [r["name"] for r in sorted(scored, key=lambda r: r[key])]  # noqa: E731
+    same = order("biased_tau") == order("self_tau")
+    return (f"Appendix B (one-step biased vs self-rollout mean accept length, the frontier's {len(scored)} trees): "
+            f"max |biased - self| {gap:.3f}, {'the same' if same else 'ANOTHER'} ranking.")
 
 
 def kernels_line(report: dict) -> str:
@@ -36,27 +63,36 @@ def markdown(report: dict) -> str:
              "{mask_rebuilt_us}".format(**report["switch_cost"]), ""]
     for task, t in report["tasks"].items():
         lines += [f"**{task}** ({t['prompts']} prompts; simulated AR {t['sim_ar_tokens_per_s']} tok/s)", "",
-                  "| tree | nodes | rows/step | sim tau | sim tok/s | vs AR | bank |", "|---|---|---|---|---|---|---|"]
+                  "| tree | nodes | depth | rows/step | sim tau | biased | self | sim tok/s | vs AR | bank |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in t["trees"]:
-            lines.append(f"| {r['name']} | {r['nodes']} | {r['rows']} | {r['sim_tau']:.3f} | {r['sim_tokens_per_s']:.1f} "
+            biased = f"{r['biased_tau']:.3f}" if "biased_tau" in r else "-"
+            self_tau = f"{r['self_tau']:.3f}" if "self_tau" in r else "-"
+            lines.append(f"| {r['name']} | {r['nodes']} | {r.get('depth', '')} | {r['rows']} | {r['sim_tau']:.3f} "
+                         f"| {biased} | {self_tau} | {r['sim_tokens_per_s']:.1f} "
                          f"| {r['sim_tokens_per_s'] / t['sim_ar_tokens_per_s']:.2f}x | {'' if r['bank'] is None else r['bank']} |")
+        frontier_names = {r["name"] for r in t["trees"] if r["bank"] in t.get("frontier", [])}
+        line = appendix_b(t["trees"], frontier_names)
+        if line:
+            lines += ["", line]
         lines += ["", "| schedule | trees | thresholds | sim tau | sim tok/s |", "|---|---|---|---|---|"]
         for name, s in t["schedules"].items():
-            if s.get("signal") == "ema":
-                name = f"{name} (EMA of the target's top-1, alpha {s['alpha']})"
-            elif s.get("value_depth"):
-                name = f"{name} (path value {s['value_depth']} deep)"
+            if s["kind"] != "static":
+                name = f"{name} ({signal_name(s)})"
             thresholds = [round(x, 4) for x in s["thresholds"]]
-            if s["kind"] == "hyst" and s["thresholds"][1] >= NEVER:
+            if s["kind"] == "hyst" and s.get("signal", "path") == "path" and s["thresholds"][1] >= NEVER:
                 thresholds = f"{thresholds}: never on, no threshold paid"
             lines.append(f"| {name} | {s['trees']} | {thresholds} | {s['sim_tau']:.3f} | {s['sim_tokens_per_s']:.1f} |")
         static = t["schedules"]["static"]["sim_tokens_per_s"]
-        signals = t["schedules"].get("hyst", {}).get("by_signal")
-        if signals:
-            lines += ["", "Hyst's best pair on each signal: " + ", ".join(
-                f"{'path value' if name == 'path' else 'EMA (alpha ' + str(b['alpha']) + ')'} "
-                f"{b['sim_tokens_per_s']:.1f} tok/s ({b['sim_tokens_per_s'] / static:.3f}x static, trees {b['trees']})"
-                for name, b in signals.items()) + "."]
+        for kind in ("ladder", "hyst"):
+            signals = t["schedules"].get(kind, {}).get("by_signal")
+            if signals:
+                lines += ["", f"{kind.capitalize()}'s best on each signal: " + ", ".join(
+                    f"{signal_name(b)} {b['sim_tokens_per_s']:.1f} tok/s ({b['sim_tokens_per_s'] / static:.3f}x "
+                    f"static, trees {b['trees']})" for b in signals.values()) + "."]
+        if any(s.get("signal") == "entropy" for s in t["schedules"].values()):
+            lines += ["", "Entropy thresholds are on exp(-H'), H' the smoothed block-start entropy in nats: "
+                          "a threshold x is H' <= -ln x."]
         if "oracle" in t:
             o, oa = t["oracle"], t["oracle_ar"]
             lines += ["", f"The future known (an upper bound of every schedule over this task's trees, reached with "

@@ -24,11 +24,13 @@ run-time signal could still gain.
 from __future__ import annotations
 
 import json
+import math
 
 from mtpkit.eval.tree_search.calibration import Calibration
+from mtpkit.eval.tree_search.growth import self_tau
 from mtpkit.eval.tree_search.pricing import tokens_per_s
 from mtpkit.eval.tree_search.simulate import accept_length, path_value, rollout
-from mtpkit.models.trees import Schedule, Topology
+from mtpkit.models.trees import SMOOTHED, Schedule, Topology
 
 
 def frontier(trees: list[Topology], values: list[float]) -> list[int]:
@@ -103,14 +105,33 @@ def oracle(cals: list[Calibration], trees: list[Topology], pool: list[int], cost
     return max(results, key=lambda r: r["sim_tokens_per_s"])
 
 
+def swept_signals(cals: list[Calibration], signals: tuple[str, ...], ema_alphas: tuple[float, ...]) -> list[str]:
+    """The signals of `signals` these calibrations replay (`simulate.check_signal`), path first; the
+    smoothed ones only with `ema_alphas` (their weights)."""
+    cycles = {cal.cycle for cal in cals}
+    out = []
+    for signal in ["path"] + [s for s in signals if s != "path"]:
+        if signal in SMOOTHED and not ema_alphas:
+            continue
+        if signal == "ema" and cycles != {"block"}:
+            continue
+        if signal in ("entropy", "accept") and ("alg2" in cycles or (
+                signal == "entropy" and any(cal.target_entropy is None for cal in cals))):
+            continue
+        out.append(signal)
+    return list(dict.fromkeys(out))
+
+
 def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: float, value_depth: int = 0,
-                        ema_alphas: tuple[float, ...] = ()) -> dict:
-    """Static, ladder and hyst schedules of one task (indices into `trees`), swept in simulation.
-    The ladder's path value is `value_depth` deep (0: the deepest tree's depth); hyst's depth is
-    swept from 1 to the deepest tree's with its pair and threshold unless `value_depth` fixes it.
-    With `ema_alphas` (mask-token drafters) hyst's pairs are also swept on the EMA signal (the
-    target's top-1 probability averaged over the generated tokens, each alpha, thresholds at the
-    quantiles of that probability); hyst is the faster signal's best, and its entry's `by_signal`
+                        ema_alphas: tuple[float, ...] = (), signals: tuple[str, ...] = ("path", "ema")) -> dict:
+    """Static, ladder and hyst schedules of one task (indices into `trees`), swept in simulation
+    on each signal of `signals` these calibrations replay (`swept_signals`; `mtpkit.models.trees`):
+    path (the path value), path_sum (the path values summed over depths), and with `ema_alphas`
+    the smoothed entropy, accept and ema (mask-token drafters), each alpha of `ema_alphas`. The
+    path values are `value_depth` deep (0: the ladder as deep as the deepest tree; hyst's depth
+    swept from 1 to that with its pair and threshold); thresholds are swept over quantiles of each
+    signal's values (accept: a grid over 1 .. the deepest tree's depth + 1). Ladder and hyst are
+    each the fastest signal's best, and with more than one signal their entry's `by_signal`
     holds each signal's best.
     Hyst pairs every two pool trees in both orders: the first is used below tau_on, the second
     above it, so the sweep also finds a pair whose bigger step pays on the doubtful steps (the
@@ -132,61 +153,94 @@ def calibrate_schedules(cals, trees, task_trees: list[int], k, costs, ratio: flo
     static = max(task_trees, key=lambda i: speed(Schedule("static", [i]))[0])
     out = {"static": Schedule("static", [static])}
     deepest = max(trees[i].depth for i in task_trees)
+    swept = swept_signals(cals, signals, ema_alphas)
 
     grids = {}
 
-    def grid(depth: int) -> tuple[list[float], list[float]]:  # (sorted path values, 19 quantiles of them)
-        if depth not in grids:
-            values = sorted(path_value(cal, j, depth) for cal in cals for j in range(cal.n))
-            grids[depth] = values, sorted({values[int(q * (len(values) - 1))] for q in [i / 20 for i in range(1, 20)]})
-        return grids[depth]
+    def grid(signal: str, depth: int = 0) -> tuple[list[float], list[float]]:  # (sorted values, 19 quantiles)
+        if (signal, depth) not in grids:
+            if signal in ("path", "path_sum"):
+                values = [path_value(cal, j, depth, signal=signal) for cal in cals for j in range(cal.n)]
+            elif signal == "ema":
+                values = [p for cal in cals for p in cal.target_top1.tolist()]
+            elif signal == "entropy":
+                values = [math.exp(-h) for cal in cals for h in cal.target_entropy.tolist()]
+            else:  # accept: tokens a drafted step adds, 1 .. deepest + 1
+                values = [1.0 + deepest * i / 20 for i in range(1, 20)]
+            values = sorted(values)
+            grids[signal, depth] = values, sorted({values[int(q * (len(values) - 1))]
+                                                   for q in [i / 20 for i in range(1, 20)]})
+        return grids[signal, depth]
 
-    values, quantiles = grid(Schedule("static", value_depth=value_depth).depth_of_value(deepest))
+    def variants(signal: str, depths: list[int]) -> list[dict]:  # Schedule keywords of each depth or alpha
+        if signal in SMOOTHED:
+            return [{"signal": signal, "alpha": alpha} for alpha in ema_alphas]
+        return [{"value_depth": d, "signal": signal} for d in depths]
+
+    def sweep_of(options: dict) -> list[float]:
+        if options["signal"] in ("path", "path_sum"):
+            return grid(options["signal"], options["value_depth"] or deepest)[1]
+        return grid(options["signal"])[1]
+
     # small to large: nodes, then rows a step on the schedule's blocks (placements differ)
     ladder_trees = sorted(task_trees, key=lambda i: (trees[i].num_nodes, trees[i].rows(deepest)))
+    ladders, hysts = {}, {}
     if len(ladder_trees) >= 2:
-        # thresholds one at a time, coordinate ascent from the quantiles
-        thresholds = [values[int(len(values) * (i + 1) / len(ladder_trees))] for i in range(len(ladder_trees) - 1)]
-        for i in range(len(thresholds)):
-            lo = thresholds[i - 1] if i else 0.0
-            hi = thresholds[i + 1] if i + 1 < len(thresholds) else 1.0
-            options = [v for v in quantiles if lo <= v <= hi] or [thresholds[i]]
-            thresholds[i] = max(options, key=lambda v: speed(Schedule("ladder", ladder_trees,
-                                                                       thresholds[:i] + [v] + thresholds[i + 1:],
-                                                                       value_depth))[0])
-        out["ladder"] = Schedule("ladder", ladder_trees, thresholds, value_depth)
+        for signal in swept:  # ladders: thresholds one at a time, coordinate ascent from the quantiles
+            best = None
+            for options in variants(signal, [value_depth]):
+                values, quantiles = (grid(signal, options["value_depth"] or deepest) if "value_depth" in options
+                                     else grid(signal))
+                thresholds = [values[int(len(values) * (i + 1) / len(ladder_trees))]
+                              for i in range(len(ladder_trees) - 1)]
+                for i in range(len(thresholds)):
+                    lo = thresholds[i - 1] if i else -math.inf
+                    hi = thresholds[i + 1] if i + 1 < len(thresholds) else math.inf
+                    choices = [v for v in quantiles if lo <= v <= hi] or [thresholds[i]]
+                    thresholds[i] = max(choices, key=lambda v: speed(Schedule(
+                        "ladder", ladder_trees, thresholds[:i] + [v] + thresholds[i + 1:], **options))[0])
+                ladder = Schedule("ladder", ladder_trees, thresholds, **options)
+                if best is None or speed(ladder)[0] > speed(best)[0]:
+                    best = ladder
+            ladders[signal] = best
         # (below tau_on, above it): the small tree first, then the other order
         pairs = [(a, b) for x, a in enumerate(ladder_trees) for b in ladder_trees[x + 1:]]
         pairs += [(b, a) for a, b in pairs]
         depths = [value_depth] if value_depth else [d if d < deepest else 0 for d in range(deepest, 0, -1)]
-        # the sweep's two ends too: always the second tree (0) and never (NEVER: above every path
-        # value, a product of probabilities), so a switch that pays nowhere leaves the first tree
-        # alone; the ends read no path value, so they are tried on the first depth only
-        candidates = []
-        for x, d in enumerate(depths):
-            sweep = [0.0, *grid(d or deepest)[1], NEVER] if x == 0 else grid(d)[1]
-            candidates += [Schedule("hyst", [a, b], [ratio * v, v], d) for a, b in pairs for v in sweep]
-        # last, the static tree itself: a pair's trees share the deeper one's blocks, so where the
-        # static tree is shallower than every pair it is in, no pair reaches it
-        candidates.append(Schedule("hyst", [static, static], [ratio * NEVER, NEVER]))
-        by_signal = {"path": max(candidates, key=lambda s: speed(s)[0])}  # equals: the default depth, the small tree below
-        if ema_alphas and all(cal.cycle == "block" for cal in cals):
-            top1 = sorted(p for cal in cals for p in cal.target_top1.tolist())
-            sweep = sorted({top1[int(q * (len(top1) - 1))] for q in [i / 20 for i in range(1, 20)]})
-            by_signal["ema"] = max((Schedule("hyst", [a, b], [ratio * v, v], signal="ema", alpha=alpha)
-                                    for a, b in pairs for alpha in ema_alphas for v in sweep), key=lambda s: speed(s)[0])
-        out["hyst"] = max(by_signal.values(), key=lambda s: speed(s)[0])  # equals: the path value
+        for signal in swept:
+            candidates = []
+            for x, options in enumerate(variants(signal, depths)):
+                sweep = sweep_of(options)
+                if signal == "path" and x == 0:
+                    # the sweep's two ends too: always the second tree (0) and never (NEVER: above
+                    # every path value, a product of probabilities), so a switch that pays nowhere
+                    # leaves the first tree alone; the ends read no path value, so they are tried
+                    # on the first depth only
+                    sweep = [0.0, *sweep, NEVER]
+                candidates += [Schedule("hyst", [a, b], [ratio * v, v], **options) for a, b in pairs for v in sweep]
+            if signal == "path":
+                # last, the static tree itself: a pair's trees share the deeper one's blocks, so where the
+                # static tree is shallower than every pair it is in, no pair reaches it
+                candidates.append(Schedule("hyst", [static, static], [ratio * NEVER, NEVER]))
+            hysts[signal] = max(candidates, key=lambda s: speed(s)[0])  # equals: the default depth, the small tree below
+        # equals: the path value
+        out["ladder"] = max(ladders.values(), key=lambda s: speed(s)[0])
+        out["hyst"] = max(hysts.values(), key=lambda s: speed(s)[0])
     result = {name: entry(schedule) for name, schedule in out.items()}
-    if "hyst" in out and len(by_signal) > 1:
-        result["hyst"]["by_signal"] = {signal: entry(schedule) for signal, schedule in by_signal.items()}
+    for name, by_signal in (("ladder", ladders), ("hyst", hysts)):
+        if name in out and len(by_signal) > 1:
+            result[name]["by_signal"] = {signal: entry(schedule) for signal, schedule in by_signal.items()}
     return result
 
 
 def build_bank(cals: dict[str, list[Calibration]], trees: list[Topology], candidates: dict[str, list[int]], k: int,
                costs: dict, masks: bool, pool_speed: float, pool_size: int, hyst_ratio: float, value_depth: int,
-               ema_alphas: tuple[float, ...]) -> tuple[list[Topology], dict]:
+               ema_alphas: tuple[float, ...], signals: tuple[str, ...] = ("path", "ema"),
+               biased: dict[str, dict[int, float]] | None = None) -> tuple[list[Topology], dict]:
     """(the bank, the report of every task) from the `candidates` of each task (indices into
-    `trees`): each candidate's simulated tau and tokens/s, the task's throughput frontier and
+    `trees`): each candidate's simulated tau and tokens/s, its mean accept length on its own
+    rollout (`self_tau`) and, where growth scored it (`biased`: per task, by index), its one-step
+    estimate (`biased_tau`: EntMTP's Appendix B pair), the task's throughput frontier and
     schedules' pool (`schedule_pool`); the bank is every task's pool and frontier, ordered by
     nodes; then each task's schedules over its pool (`calibrate_schedules`) and the future-known
     bounds (`oracle`, without and with plain AR steps). `masks`: whether steps carry mask blocks
@@ -199,7 +253,10 @@ def build_bank(cals: dict[str, list[Calibration]], trees: list[Topology], candid
             rows.append({"tree": i, "name": trees[i].name, "nodes": trees[i].num_nodes,
                          "rows": trees[i].rows(trees[i].depth if masks else 0), "depth": trees[i].depth,
                          "sim_tau": round(sim.tau, 4),
-                         "sim_tokens_per_s": round(tokens_per_s(sim, task_cals, costs, trees), 2)})
+                         "sim_tokens_per_s": round(tokens_per_s(sim, task_cals, costs, trees), 2),
+                         "self_tau": round(self_tau(sim.accepted), 4)})
+            if biased and i in biased.get(task, {}):
+                rows[-1]["biased_tau"] = round(biased[task][i], 4)
         ar_speed = sum(c.n for c in task_cals) / (len(task_cals) * costs["prefill"]
                                                  + sum(c.n - 1 for c in task_cals) * costs["ar"])
         kept, pool = schedule_pool([trees[i] for i in candidates[task]], [r["sim_tokens_per_s"] for r in rows],
@@ -214,7 +271,8 @@ def build_bank(cals: dict[str, list[Calibration]], trees: list[Topology], candid
     for task, task_cals in cals.items():
         pool = [renumber[i] for i in pools[task]]
         t = tasks[task]
-        t["schedules"] = calibrate_schedules(task_cals, bank, pool, k, costs, hyst_ratio, value_depth, ema_alphas)
+        t["schedules"] = calibrate_schedules(task_cals, bank, pool, k, costs, hyst_ratio, value_depth, ema_alphas,
+                                             signals)
         bounds = [oracle(task_cals, bank, pool, costs, ar_steps) for ar_steps in (False, True)]
         if bounds[0] is not None:
             t["oracle"], t["oracle_ar"] = bounds

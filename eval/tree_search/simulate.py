@@ -5,7 +5,7 @@ Greedy decoding: a step whose draft comes from the block after position t accept
 path of the tree whose ranks equal the true tokens' ranks; it yields that many tokens plus the
 bonus and moves to the deepest accepted node, whose own block (if the topology gives it one)
 drafts the next step; without one the next step drafts nothing. So the rollout of a tree (or a
-schedule switching trees by the path value) is decoding replayed, with the same steps as
+schedule switching trees by its signal, `mtpkit.models.trees`) is decoding replayed, with the same steps as
 `mtpkit.models.gated_lora.drafter` takes, exact up to floating-point ties of the ranks (the
 held-out check, `mtpkit.eval.tree_search.check`, measures it). Medusa and Hydra heads draft from
 the deepest accepted node's state, whatever node it is (no step drafts nothing). MTPC moves on by
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpkit.eval.tree_search.calibration import Calibration
-from mtpkit.models.trees import Schedule, Topology
+from mtpkit.models.trees import Schedule, Topology, path_signal
 
 
 def accept_length(topology: Topology, ranks: list[int]) -> int:
@@ -59,13 +59,28 @@ class Rollout:
         return self.tokens / max(self.steps, 1)
 
 
-def path_value(cal: Calibration, j: int, depth: int, kept: int = 0) -> float:
-    """The drafters' path value at anchor j (MTPC: with `kept` bytes kept after it, its chain
-    `depth` bytes deep or as deep as the window leaves)."""
+def path_value(cal: Calibration, j: int, depth: int, kept: int = 0, signal: str = "path") -> float:
+    """The drafters' path value at anchor j (`path_signal`: `signal` path, the product at depth
+    `depth`, or path_sum, the chain's products summed over depths 1..depth; MTPC: with `kept` bytes
+    kept after it, its chain `depth` bytes deep or as deep as the window leaves)."""
     head = cal.head_top1 if not kept else cal.head_top1_kept
     if cal.window:
         depth = min(depth, cal.window - kept)
-    return float(cal.target_top1[j] * head[j, :depth].prod())
+    return path_signal(signal, float(cal.target_top1[j]), head[j, :depth].tolist())
+
+
+def check_signal(cals: list[Calibration], schedule: Schedule) -> None:
+    """Refuse (ValueError, one line) a schedule whose signal these calibrations cannot replay."""
+    if not schedule.switches or schedule.signal in ("path", "path_sum"):
+        return
+    if schedule.signal == "ema" and any(cal.cycle != "block" for cal in cals):
+        raise ValueError("signal=ema schedules are for mask-token drafters; MTPC schedules read the path value")
+    if any(cal.cycle == "alg2" for cal in cals):
+        raise ValueError(f"signal={schedule.signal} schedules are not simulated for MTPC (Algorithm 2's steps "
+                         "without tokens); MTPC schedules read path or path_sum")
+    if schedule.signal == "entropy" and any(cal.target_entropy is None for cal in cals):
+        raise ValueError("signal=entropy: a calibration without the target's entropy (made before it was "
+                         "recorded); calibrate again")
 
 
 def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Schedule | None = None,
@@ -78,11 +93,10 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
     depth = max(trees[i].depth for i in schedule.trees)
     if depth > k:
         raise ValueError(f"a tree of depth {depth} needs more than the head's k={k} masks")
-    ema = schedule.switches and schedule.signal == "ema"
-    if ema and any(cal.cycle != "block" for cal in cals):
-        raise ValueError("signal=ema schedules are for mask-token drafters; MTPC schedules read the path value")
+    check_signal(cals, schedule)
     if any(cal.accept is not None for cal in cals):
         return rollout_sampled(cals, trees, schedule, replicas, seed)
+    signal = schedule.signal if schedule.switches else None
     steps = tokens = 0
     anchors, accepted, used = [], [], []
     # MTPC, Medusa and Hydra: no mask blocks (`NAME@0`)
@@ -96,13 +110,20 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
         bonus = 0 if alg2 else 1
         steps, tokens, gen, j, has = steps + 1, tokens + min(bonus, cal.n), bonus, 0, True
         # signal=ema: the target's top-1 probability of every generated token (token j: at anchor j)
-        top1 = cal.target_top1.tolist() if ema else []
-        value = schedule.smooth(None, top1[:1])  # the prompt forward's token
+        top1 = cal.target_top1.tolist() if signal == "ema" else []
+        entropies = cal.target_entropy.tolist() if signal == "entropy" else []
+        # a smoothed signal's running average: ema from the prompt forward's token on
+        average = schedule.smooth(None, top1[:1])
         while gen < cal.n:
             if has:
-                if schedule.switches:
-                    if not ema:
-                        value = path_value(cal, j, schedule.depth_of_value(depth))
+                if signal in ("path", "path_sum"):
+                    value = path_value(cal, j, schedule.depth_of_value(depth), signal=signal)
+                elif signal == "entropy":  # the block-start entropy, once per tree choice
+                    average = schedule.smooth(average, entropies[j: j + 1])
+                    value = schedule.value(average)
+                else:
+                    value = schedule.value(average)
+                if signal is not None:
                     position = schedule.next(position, value)
                 tree = trees[schedule.trees[position]]
                 L = accept_length(tree, ranks[j])
@@ -114,11 +135,13 @@ def rollout(cals: list[Calibration], trees: list[Topology], k: int, schedule: Sc
                 else:  # Medusa, Hydra: every node's state drafts; a mask drafter: the nodes with a block
                     new = L + 1
                     has = cal.cycle == "heads" or (tree.index[tuple(ranks[j][:L])] if L else 0) in tree.block_nodes
+                if signal == "accept":  # the drafted step's accept length: its drafts and the bonus
+                    average = schedule.smooth(average, [L + 1])
             else:  # mask drafter: the root's block alone, and its bonus; MTPC: the kept bonus's state, no tokens
                 L, new, has = 0, 0 if alg2 else 1, True
                 used.append(None)
-            if ema:  # the step's tokens j + 1 .. j + new, predicted by its root's and accepted nodes' rows
-                value = schedule.smooth(value, top1[j + 1: j + 1 + new])
+            if signal == "ema":  # the step's tokens j + 1 .. j + new, predicted by its root's and accepted nodes' rows
+                average = schedule.smooth(average, top1[j + 1: j + 1 + new])
             steps += 1
             tokens += min(new, cal.n - gen)
             gen += new
@@ -158,7 +181,8 @@ def rollout_sampled(cals: list[Calibration], trees: list[Topology], schedule: Sc
             j = m = 0   # anchor (bytes generated through its state) and kept bytes after it
             while j + m < cal.n:
                 if schedule.switches:
-                    position = schedule.next(position, path_value(cal, j, schedule.depth_of_value(deepest), m))
+                    value = path_value(cal, j, schedule.depth_of_value(deepest), m, schedule.signal)
+                    position = schedule.next(position, value)
                 tree = schedule.trees[position]
                 depth = min(trees[tree].depth, cal.window - m)
                 L = 0

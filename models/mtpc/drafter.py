@@ -64,7 +64,8 @@ Tree schedules (`tree=bank.json,schedule=ladder|hyst,task=T`, a bank written by
 `eval/tree_frontier.py --method mtpc`): before each draft the schedule picks a tree of the bank
 by the path value, the target's top-1 probability at the newest byte with a state (read off the
 verifier's logits) times the circuit's top-1 conditional probabilities along its own top-1 chain
-as deep as the deepest scheduled tree, or the schedule's `value_depth` (one host read per step;
+as deep as the deepest scheduled tree, or the schedule's `value_depth` (`signal: path_sum`: the
+chain's products summed over its depths, `mtpkit.models.trees.path_signal`; one host read per step;
 static schedules compute none). Each depth is a sequential query; the first is the one the tree's
 depth 1 needs anyway, so `value_depth` 1 costs no query.
 Every scheduled tree's levels are built once per device, so a switch is a lookup.
@@ -84,7 +85,8 @@ from mtpkit.models.head_folder import recorded_backbone
 from mtpkit.models.mtpc.decode import LazyBTree, decode_window
 from mtpkit.models.mtpc.head import load_head, read_settings
 from mtpkit.models.mtpc.model import MTPCHead, MTPCModel
-from mtpkit.models.trees import Schedule, Topology, TreeOptions, check_ranks, load_bank, tree_schedule
+from mtpkit.models.trees import (Schedule, Topology, TreeOptions, check_ranks, load_bank, path_signal,
+                                 tree_schedule)
 
 VERIFY = ("marginal", "path")
 UNIT_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "int8": torch.int8}  # None: the head's own precision
@@ -149,9 +151,9 @@ def load_trees(options: TreeOptions) -> tuple[list[Topology], Schedule]:
     except (ValueError, TypeError) as e:  # a JSONDecodeError is a ValueError; a path not a list: TypeError
         raise ValueError(f"mtpc tree={options.tree!r}: {e}") from None
     schedule = tree_schedule(options, schedules, len(trees), f"mtpc tree={options.tree!r}")
-    if schedule.signal != "path":
+    if schedule.signal not in ("path", "path_sum"):
         raise ValueError(f"mtpc tree={options.tree!r} schedule={options.schedule}: signal {schedule.signal!r}; "
-                         "MTPC schedules read the path value (signal 'path')")
+                         "MTPC schedules read the path values (signal 'path' or 'path_sum')")
     for i in schedule.trees:
         if not trees[i].num_nodes:
             raise ValueError(f"mtpc tree={options.tree!r}: tree {i} is empty")
@@ -234,17 +236,17 @@ def chain_log_top1(params, prefix: torch.Tensor, first: int, depth: int) -> torc
     return torch.stack(out, -1) if out else prefix.new_zeros(prefix.shape[0], 0, dtype=torch.float)
 
 
-def chain_value(params, span: int, given: list[int], depth: int, device) -> tuple[float, torch.Tensor]:
-    """(the head's factor of the path value, the first conditional [1, V]): the product of its
-    top-1 conditional probabilities along its top-1 chain of `depth` >= 1 bytes after `given` (one
-    host read; depth 1 is one query, the one `draft_tree` reuses as its `root_log_q`)."""
+def chain_value(params, span: int, given: list[int], depth: int, device) -> tuple[list[float], torch.Tensor]:
+    """(the head's factors of the path values, the first conditional [1, V]): its top-1
+    conditional probabilities along its top-1 chain of `depth` >= 1 bytes after `given` (one host
+    read; depth 1 is one query, the one `draft_tree` reuses as its `root_log_q`)."""
     m = len(given)
     prefix = torch.zeros(1, span, dtype=torch.long, device=device)
     prefix[0, :m] = torch.tensor(given, dtype=torch.long, device=device)
     root = next_log_probs_posterior(params, prefix, m)  # [1, V]
     top = root.max(-1)
     prefix[:, m] = top.indices
-    return float((top.values + chain_log_top1(params, prefix, m + 1, depth - 1).sum()).exp()), root
+    return torch.cat([top.values, chain_log_top1(params, prefix, m + 1, depth - 1)[0]]).exp().tolist(), root
 
 
 class MTPCDrafter(Drafter):
@@ -393,7 +395,7 @@ class MTPCDrafter(Drafter):
         if self.schedule.switches and self.target_top1 is not None:
             depth = min(self.schedule.depth_of_value(deepest), self.n - m)
             head, root = chain_value(params, span, self.given, depth, self.device)
-            self.value = self.target_top1 * head
+            self.value = path_signal(self.schedule.signal, self.target_top1, head)
             self.position = self.schedule.next(self.position, self.value)
             index = self.schedule.trees[self.position]
             self.tree, self.levels = self.trees[index], self.levels_of[index]

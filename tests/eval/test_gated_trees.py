@@ -73,7 +73,7 @@ def test_schedules():
     assert ema.smooth(None, [0.2]) == 0.2 and ema.smooth(0.2, [1.0, 0.6]) == pytest.approx(0.75 * 0.4 + 0.25 * 0.6)
     assert Schedule(**ema.to_json()) == ema and "signal" not in hyst.to_json()
     with pytest.raises(ValueError, match="signal"):
-        Schedule("hyst", [0, 1], [0.3, 0.6], signal="entropy")
+        Schedule("hyst", [0, 1], [0.3, 0.6], signal="sum")
     with pytest.raises(ValueError, match="alpha"):
         Schedule("hyst", [0, 1], [0.3, 0.6], signal="ema", alpha=1.0)
 
@@ -227,7 +227,7 @@ def test_grown_trees_are_scored_and_the_frontier_is_non_dominated(small):
     for prompt in PROMPTS:
         want = decode(Target(small), Drafter(), prompt, 20).tokens
         cals.append(calibrate(head, prompt + want, len(prompt), "t", False, max_rank=3))
-    grown = grow(cals, k=2, max_nodes=5, max_rank=3, blocks="chain")
+    grown, _ = grow(cals, k=2, max_nodes=5, max_rank=3, blocks="chain")
     assert [t.num_nodes for t in grown] == [1, 2, 3, 4, 5]
     assert all(set(a.paths) < set(b.paths) for a, b in zip(grown, grown[1:]))  # one node at a time
     taus = [rollout(cals, [t], 2).tau for t in grown]

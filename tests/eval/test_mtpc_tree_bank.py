@@ -89,19 +89,22 @@ def test_the_simulator_takes_the_mtpc_decoders_steps(tiny_byte, arch, L):
             assert any(L and any(cals[c].ranks[j, :L].tolist()) for (c, j), L in zip(sim.anchors, sim.accepted))
 
 
-@pytest.mark.parametrize("kind,device_path,value_depth", [("ladder", False, 0), ("hyst", False, 0), ("hyst", True, 0),
-                                                         ("hyst", False, 1), ("ladder", True, 1)])
-def test_mtpc_schedules_switch_trees_exactly_as_simulated(tiny_byte, tmp_path, kind, device_path, value_depth):
+@pytest.mark.parametrize("kind,device_path,value_depth,signal", [
+    ("ladder", False, 0, "path"), ("hyst", False, 0, "path"), ("hyst", True, 0, "path"), ("hyst", False, 1, "path"),
+    ("ladder", True, 1, "path"), ("hyst", True, 0, "path_sum")])
+def test_mtpc_schedules_switch_trees_exactly_as_simulated(tiny_byte, tmp_path, kind, device_path, value_depth,
+                                                          signal):
     """The path value (the target's top-1 probability at the newest byte with a state times the
     circuit's top-1 conditionals along its top-1 chain, as deep as the deepest tree or the
-    schedule's value_depth) chooses each step's tree in the drafter as in the simulator, on the
-    CPU path and on the device path."""
+    schedule's value_depth; path_sum: the chain's products summed over its depths) chooses each
+    step's tree in the drafter as in the simulator, on the CPU path and on the device path."""
     backbone, _ = tiny_byte
     target = Target(backbone)
     model, seqs = fitted_head(backbone, target, "btree", 0)
     trees = [Topology("chain1"), Topology(BRANCHY)]
-    schedule = {"kind": kind, "trees": [0, 1], "thresholds": [0.3] if kind == "ladder" else [0.25, 0.35],
-                "value_depth": value_depth}
+    thresholds = [0.3] if kind == "ladder" else [0.25, 0.35] if signal == "path" else [0.55, 0.7]
+    schedule = {"kind": kind, "trees": [0, 1], "thresholds": thresholds, "value_depth": value_depth,
+                "signal": signal}
     bank = tmp_path / "bank.json"
     bank.write_text(json.dumps({"trees": [t.to_json() for t in trees],
                                 "schedules": {"t": {kind: {**schedule, "sim_tau": 1.5}}}}))
