@@ -48,8 +48,11 @@ DRAFTERS = {
 }
 
 
-# the twin tree's bias (about +0.1 on one of 25 cells of the joint) needs 2000 decodes to be seen
-RUNS = {"drawn chain": 1000, "deterministic chain": 1000, "deterministic tree": 2000, "drawn tree (host walk)": 1000}
+# the twin tree's bias (about +0.1 on one of 25 cells of the joint) needs 2000 decodes to be seen;
+# with 600 each planted bug of the others fails at p < 1e-10 (the bonus drawn from p or, for
+# deterministic drafts, drawn again; acceptance with p(x) instead of min(1, p/q); a tree's
+# sibling tested against p instead of the residual; the temperature left out at T = 0.7)
+RUNS = {"drawn chain": 600, "deterministic chain": 600, "deterministic tree": 2000, "drawn tree (host walk)": 600}
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -95,7 +98,7 @@ def test_the_checks_catch_wrong_device_rules(device_target, monkeypatch):
             "the check misses twins racing"
     with monkeypatch.context() as m:
         m.setattr(decoder_module, "sample_on_device", _bonus_from_the_target)
-        assert not _sampling_matches(device_target, SampledChainDrafter(Q, seed=3), runs=1000), \
+        assert not _sampling_matches(device_target, SampledChainDrafter(Q, seed=3), runs=RUNS["drawn chain"]), \
             "the check misses a bonus drawn from the target"
 
 
