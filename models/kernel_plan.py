@@ -181,20 +181,28 @@ def measure(model: nn.Module, rows=ROWS, reps: int = REPS, cache_len: int = CACH
     it) under every `body/head` kernel pair, per row count. Whole steps, not products alone:
     a product's cost alone misses what it does to the rest of the step (a fused product's
     outputs are strided views, caches are shared). A gated-LoRA copy is timed with its adapter on
-    for the last `gated_rows(m)` rows. Restores the plans."""
-    from transformers import DynamicCache
+    for the last `gated_rows(m)` rows. The steps run as the decoder runs them: its body and LM
+    head (`mtpkit.models.arch`) on its own cache (`new_cache`: EvaByte's EVA window cache, else the
+    slab), rolled back after each; on EvaByte only the row counts whose step fits in the window
+    after `cache_len` are timed (a decoding step never crosses a window end). Restores the plans."""
+    from mtpkit.models.arch import adapter_for
+    from mtpkit.models.decoding.cache import new_cache
 
     classes = groups_of(model)
     saved = {id(g): g.plan for gs in classes.values() for g in gs}
     pairs = combos(classes)
-    body, head = model.get_decoder(), model.get_output_embeddings()
+    adapter = adapter_for(model)
+    body, head = adapter.body, adapter.lm_head
+    room = adapter.draft_room(cache_len)  # positions after cache_len in its window (None: no window)
+    rows = [m for m in rows if room is None or m <= room + 1]
     vocab = model.get_input_embeddings().weight.shape[0]
     device = model.get_input_embeddings().weight.device
     gen = torch.Generator().manual_seed(0)
     gate = gate_of(model)
-    cache = DynamicCache()
-    body(input_ids=torch.randint(0, vocab, (1, cache_len), generator=gen).to(device), past_key_values=cache,
+    cache = new_cache("slab", model.config, cache_len + max(rows))
+    body(input_ids=torch.randint(0, vocab, (1, cache_len), generator=gen).to(device), past_key_values=cache.hf,
          use_cache=True)
+    cache.compact(cache_len, [])
     times = {combo_name(*pair): {m: [] for m in rows} for pair in pairs}
 
     def step(x, b, h) -> float:
@@ -206,9 +214,9 @@ def measure(model: nn.Module, rows=ROWS, reps: int = REPS, cache_len: int = CACH
         on = contextlib.nullcontext() if gate is None else gate(torch.arange(m)[None] >= m - gated_rows(m))
         t0 = time.perf_counter()
         with on:
-            head(body(input_ids=x, past_key_values=cache, use_cache=True).last_hidden_state)
+            head(body(input_ids=x, past_key_values=cache.hf, use_cache=True).last_hidden_state)
         seconds = time.perf_counter() - t0
-        cache.crop(-x.shape[1])  # back to the cache_len tokens
+        cache.compact(cache_len, [])  # back to the cache_len tokens
         return seconds
 
     try:
@@ -275,7 +283,8 @@ def tune(model: nn.Module, others=(), *, rows=ROWS, reps: int = REPS, cache_len:
             f"machine, model and dtype; cached in {path})")
         median_ms = measure(model, rows, reps, cache_len, progress=True)
         load = os.getloadavg()[0]
-        record = {"format": FORMAT, "machine": machine_info(), "model": model_info(model), "rows": list(rows),
+        timed = sorted(next(iter(median_ms.values())))  # the row counts measured (EvaByte: those that fit)
+        record = {"format": FORMAT, "machine": machine_info(), "model": model_info(model), "rows": timed,
                   "reps": reps, "cache_len": cache_len, "median_ms": median_ms,
                   "plans": {c: list(p) for c, p in choose(median_ms).items()}, "load": round(load, 2),
                   "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}

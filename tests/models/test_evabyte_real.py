@@ -6,7 +6,8 @@ see its NOTICE.md), not a look-alike.
   or piece by piece, and plain causal attention does not (the comparison has power);
 - mtpkit's AR equals EvaByte's own greedy decoding on its `EvaCache`;
 - MTPC chain and tree drafts (greedy) equal AR with drafts accepted in every window, stopping
-  at each window's end; a draft past it is refused;
+  at each window's end; another drafter's draft past it is cut there by the decoder (refused
+  without the cut); the kernel plan is timed on the EVA cache, at the row counts that fit a window;
 - speculative sampling with an MTPC draft across a window end is distributed as the real model;
 - loading a checkpoint folder with this remote code works under transformers 5.x, and each of
   mtpkit's load-time fixes is needed (the same load without it fails).
@@ -26,6 +27,7 @@ from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.decoding.drafter import Draft, Drafter
 from mtpkit.models.evabyte import load as evaload
 from mtpkit.models.evabyte.eva import EvaWindowCache
+from mtpkit.models.evabyte.generate import evabyte_generate
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
 from tests.eval.test_mtpc_decoding import OracleMTPC, make_head
 from tests.models.evabyte_upstream.configuration_evabyte import EvaByteConfig
@@ -123,6 +125,7 @@ def test_ar_equals_evabytes_own_evacache_greedy(eva16):
     assert len(set(want)) > 5
     got = decode(Target(eva16), Drafter(), prompt, 60)
     assert got.tokens == want
+    assert evabyte_generate(eva16, prompt, 60) == want  # the bench's hf_ar on EvaByte: the same loop
 
 
 def test_embeddings_without_a_cache_and_other_caches():
@@ -237,17 +240,54 @@ class FixedChain(Drafter):
         return Draft.chain([0, 0, 0, 0])
 
 
-def test_a_draft_past_the_window_end_is_refused(eva16, monkeypatch):
-    """Planted: drafts that run past the window end are refused, a tree at once (its nodes past the
-    end would need the summaries of a window the step itself completes), a chain when it is not
-    accepted up to the end (its window is summarised already). Exact steps cannot be built there."""
+class FixedTree(Drafter):
+    """A tree of 4 bytes (depths 1, 2, 1, 2) and 2 extra nodes (a mask block of 2 after node 2, at
+    depths 3 and 4) after every root, heedless of the window end; checks that every step comes
+    back in its own numbering."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def propose(self, tokens):
+        return Draft(tokens=[0, 0, 7, 7], parents=[0, 1, 0, 3], extra_embeds=torch.zeros(2, 64), extra_parents=[2, 5])
+
+    def observe(self, step):
+        assert step.hidden.shape[0] == 7 and step.logits(list(range(7))).shape == (7, V)
+        assert step.last_node == (step.accepted[-1] if step.accepted else 0)
+        assert step.accepted in ([], [1], [1, 2], [3], [3, 4]) and step.context_len >= 1
+        self.steps += 1
+
+
+def test_a_draft_past_the_window_end_is_cut_there(eva16, monkeypatch):
+    """The decoder cuts a draft at the window end (`fit_window`): a chain to its first nodes, a
+    tree with extra nodes to those whose depth fits, and the drafter reads the step in its own
+    numbering: greedy equal to AR. Planted: with the room reverted, a step past the window end is
+    refused (its nodes past the end would need the summaries of a window the step itself
+    completes): exact steps cannot be built there."""
     prompt = ids(7, seed=3)[0].tolist()
-    with pytest.raises(ValueError, match="window end"):
-        decode(Target(eva16), FixedChain(), prompt, 40)
+    target = Target(eva16)
+    want = decode(target, Drafter(), prompt, 40).tokens
+    tree = FixedTree()
+    assert decode(target, FixedChain(), prompt, 40).tokens == want
+    assert decode(target, tree, prompt, 40).tokens == want and tree.steps > 0
     head = make_head(eva16, "btree", 0, n=4)
     monkeypatch.setattr(type(head.adapter), "draft_room", lambda self, position: None)  # the cap reverted
     with pytest.raises(ValueError, match="window end"):
+        decode(Target(eva16), FixedChain(), prompt, 40)
+    with pytest.raises(ValueError, match="window end"):
         decode(Target(eva16), MTPCDrafter(MTPCDraftConfig(tree="[[0],[1],[0,0],[0,0,0]]"), model=head), prompt, 40)
+
+
+def test_the_kernel_plan_times_steps_on_the_eva_cache():
+    """--linear auto's timing (`kernel_plan.measure`) runs the decoder's body on its EVA cache; a row
+    count whose step would cross the window end after the cache is not timed."""
+    from mtpkit.models.kernel_plan import measure
+    from mtpkit.models.packed_linear import pack_linears
+
+    model = build(tiny_config(16, 4))
+    pack_linears(model, "onednn")  # the LM head (8 x 320 rows)
+    table = measure(model, rows=(1, 8, 9), reps=2, cache_len=40)  # rows at 40..: the window [32, 48) holds 8
+    assert table and all(set(t) == {1, 8} for t in table.values())
 
 
 # the 2-byte joint over a 5-token vocabulary; the prompt spans two windows (W = 4), so every byte
