@@ -8,7 +8,9 @@ Methods (`name` or `name:key=value,key=value`; results are keyed by the full spe
 `mtpkit.models.registry.METHODS`; the list with every option and its default is printed at the end
 of `--help`. `ar` always runs (it is every speed-up's denominator), and so does `hf_ar`
 (transformers' own `generate` on the untouched model: AR must not be slower than what a user
-gets from transformers). Every mtpkit method, `ar` included, runs on the same target: with
+gets from transformers; on EvaByte, whose code has no `generate` that takes its EVA cache,
+EvaByte's own AR loop: `mtpkit.models.evabyte.generate`).
+Every mtpkit method, `ar` included, runs on the same target: with
 `--linear auto` (the default) each of its products runs on the kernel measured fastest on this
 machine for the step's row count (`mtpkit.models.kernel_plan`: timed once per machine, model
 and dtype, then cached; `eval/bench_forward.py` prints the table), and `ar_stock` (the same
@@ -73,6 +75,7 @@ from mtpkit.models.decoding.drafter import Drafter, StockAR
 from mtpkit.models.decoding.host_reads import counting_reads
 from mtpkit.models.decoding import step_plan
 from mtpkit.models.decoding.step import STEP_CHOICES, resolve_step
+from mtpkit.models.evabyte.generate import evabyte_generate
 from mtpkit.models.generate import hf_static_compiled
 from mtpkit.models.atomic_write import write_atomic
 from mtpkit.models.process import run_script
@@ -205,6 +208,10 @@ def check_writable(paths: dict[str, Path]) -> None:
 
 
 def run_hf(model, tokenizer, name, cfg, ids, args, eos) -> dict:
+    if getattr(model.config, "model_type", None) == "evabyte":  # its own AR loop: no generate() takes its cache
+        started = time.perf_counter()
+        tokens = evabyte_generate(model, ids, args.max_new_tokens, eos, args.temperature, args.top_p)
+        return {"tokens": tokens, "seconds": time.perf_counter() - started}
     kwargs = dict(max_new_tokens=args.max_new_tokens, eos_token_id=sorted(eos), pad_token_id=tokenizer.pad_token_id,
                   do_sample=args.temperature > 0, **METHODS[name].generate_kwargs(cfg))
     if args.temperature > 0:
@@ -246,6 +253,16 @@ def build(args, device: torch.device, dtype: torch.dtype) -> Setup:
     on the measured kernel plan (a CPU), one warm-up decode per drafter on the first prompt."""
     model, tokenizer = load_backbone(args.backbone, dtype=dtype, trust_remote_code=args.trust_remote_code,
                                      device=device)
+    if getattr(model.config, "model_type", None) == "evabyte":  # EVA attention: its own cache, the eager step
+        for spec, (name, cfg) in zip(args.methods, args.parsed):  # hf_ar is EvaByte's own AR loop (`run_hf`)
+            if METHODS[name].drafter is None and (name != "hf_ar" or getattr(cfg, "compile", False)):
+                sys.exit(f"bench: --methods {spec}: EvaByte's code has no transformers generate() that takes its EVA "
+                         "cache; its baseline is plain hf_ar (EvaByte's own AR loop)")
+            if getattr(cfg, "step", "") not in ("", "auto", "eager"):
+                sys.exit(f"bench: --methods {spec}: EvaByte decodes with the eager step only (its EVA window cache)")
+        if args.step not in ("auto", "eager"):
+            sys.exit(f"bench: --step {args.step}: EvaByte decodes with the eager step only (its EVA window cache)")
+        args.step = "eager"  # auto would capture CUDA graphs on a GPU
     if args.auto_stock and not packable(model, linear=args.linear):
         # nothing will be packed (layers too small, or no oneDNN on a CPU): the two ARs would be one
         del args.parsed[args.methods.index("ar_stock")]

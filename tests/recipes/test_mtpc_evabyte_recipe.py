@@ -1,8 +1,8 @@
 """train/mtpc.py end to end on a tiny random EvaByte of the real architecture: a Hub-shaped
 folder (config.json, weights, EvaByte's own modeling code as remote code, a byte tokenizer),
 packed chat data, heads initialised from its 8 next-byte heads, 6 steps heads-only and with one
-LoRA draft layer (its own EVA state), exact resume, the epoch count, export, and the bench with
-`mtpc:head=...` (greedy equal to AR, and speculative sampling)."""
+LoRA draft layer (its own EVA state), exact resume, the epoch count, export, and eval/bench.py with the exported head (chain, tree and
+tree bank), pld and probe: greedy equal to AR, and speculative sampling."""
 
 import json
 import re
@@ -83,24 +83,55 @@ def test_the_head_starts_from_evabytes_8_heads(evabyte):
             assert torch.equal(W[i, j], heads[min(i, 7)].float()), (i, j)
 
 
-def test_export_and_decode_greedy_equals_ar(evabyte, data, tmp_path):
-    """The exported head (1 LoRA draft layer) through the shared decoder, as the bench's `ar` and
-    `mtpc:head=DIR` run it: greedy output equal to AR, drafts accepted; speculative sampling runs.
-    (eval/bench.py itself stops on EvaByte at its hf_ar, docs/mtpc.md.)"""
-    from mtpkit.models.decoding.decoder import Target, decode
-    from mtpkit.models.decoding.drafter import Drafter
-    from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
+def test_export_then_bench_greedy_equals_ar_and_samples(evabyte, data, tmp_path):
+    """The exported head (1 LoRA draft layer) through eval/bench.py, in process, on the tiny
+    EvaByte (window 16): its hf_ar is EvaByte's own AR loop, the kernel plan is timed on the
+    decoder's EVA cache (row counts that fit a window), and MTPC as a chain, a tree and a tree bank
+    under a schedule, pld and probe (drafts the decoder cuts at each window end) decode greedily
+    equal to AR across window ends; then speculative sampling at T = 1.0 runs the MTPC drafts."""
+    import importlib
 
+    bench = importlib.import_module("mtpkit.eval.bench")
     run = tmp_path / "run"
     mtpc.main([*TINY, "--backbone", str(evabyte), "--data", str(data), "--output-dir", str(run), "--max-steps", "2",
                "--lora-layers", "1"])
-    out = export.main(["--checkpoint", str(run), "--out", str(tmp_path / "export")])
-    model, tokenizer = load_backbone(str(evabyte), trust_remote_code=True)
-    head = load_head(out, model)
-    assert head.draft is not None
-    target = Target(model)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Add 3 and 4."}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False)
-    ar = decode(target, Drafter(), prompt, 40)
-    spec = decode(target, MTPCDrafter(MTPCDraftConfig(), model=head), prompt, 40)
-    assert spec.tokens == ar.tokens and spec.draft_nodes > 0
+    head = export.main(["--checkpoint", str(run), "--out", str(tmp_path / "export")])
+    assert load_head(head, load_backbone(str(evabyte), trust_remote_code=True)[0]).draft is not None
+    tree, bank, prompts = tmp_path / "tree.json", tmp_path / "bank.json", tmp_path / "prompts.jsonl"
+    tree.write_text("[[0], [1], [0, 0], [0, 1], [1, 0]]")
+    bank.write_text(json.dumps({"trees": [{"paths": [[0], [1], [0, 0]]}, {"paths": [[0], [0, 0], [0, 0, 0]]}],
+                                "schedules": {"t": {"ladder": {"kind": "ladder", "trees": [0, 1], "thresholds": [0.3]}}}}))
+    prompts.write_text("\n".join(json.dumps({"category": "math", "turns": [text]})
+                                 for text in ("Add 3 and 4.", "Add 5 and 6, then 7.")) + "\n")
+    mtpc_specs = [f"mtpc:head={head}", f"mtpc:head={head},tree={tree}",
+                  f"mtpc:head={head},tree={bank},schedule=ladder,task=t"]
+    # greedy on two prompts, sampling on one (--linear auto's timing on EvaByte: tests/models/test_evabyte_real.py)
+    for temperature, specs, limit in ((0.0, [*mtpc_specs, "pld", "probe:bc=10"], 2), (1.0, mtpc_specs, 1)):
+        out = tmp_path / f"t{temperature}" / "results.json"
+        results = bench.main(["--backbone", str(evabyte), "--trust-remote-code", "--data", str(prompts),
+                              "--limit", str(limit), "--max-new-tokens", "24", "--temperature", str(temperature),
+                              "--methods", *specs, "--linear", "stock", "--out", str(out)])
+        methods = results["methods"]  # 31-byte prompts: across the window ends at 32 and 48
+        assert list(methods) == ["ar", "hf_ar", *specs]
+        for spec, r in methods.items():
+            assert len(r["outputs"]) == limit
+            if temperature:
+                assert r["matches_ar"] is None and all(0 < len(o["output_ids"]) <= 24 for o in r["outputs"].values())
+            else:
+                assert r["matches_ar"] is True, spec
+        for spec in specs:
+            assert methods[spec]["mean_draft_nodes"] > 0, spec
+
+
+@pytest.mark.parametrize("flags, named", [(["--methods", "hf_ar:compile=1"], "--methods hf_ar:compile=1"),
+                                          (["--step", "static"], "--step static")])
+def test_the_bench_refuses_what_evabyte_cannot_run_in_one_line(evabyte, tmp_path, flags, named):
+    """transformers' compiled generate (EvaByte's code has none that takes its EVA cache) and a
+    fixed-shape step (EVA decodes on its window cache, eagerly) are refused naming the flag."""
+    import importlib
+
+    bench = importlib.import_module("mtpkit.eval.bench")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--backbone", str(evabyte), "--trust-remote-code", "--data", "builtin:eval", "--limit", "1",
+                    "--linear", "stock", *flags, "--out", str(tmp_path / "r.json")])
+    assert str(e.value).startswith(f"bench: {named}: EvaByte") and "\n" not in str(e.value)
