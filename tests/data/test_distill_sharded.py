@@ -22,6 +22,8 @@ SCRIPT = ROOT / "data" / "distill.py"
 # batch size 1 and 64 tokens: ~0.1 s per record on 2 cores, a window wide enough to kill a run mid-way
 ARGS = ["--backbone", "tiny-llama-random", "--data", "builtin", "--limit", "12", "--max-new-tokens", "64",
         "--batch-size", "1", "--device", "cpu", "--dtype", "float32"]
+# the ranks run one after another in this process (nothing to kill): 16 tokens a record
+SHORT = ARGS[:7] + ["16"] + ARGS[8:]
 
 
 def _lines(path):
@@ -50,17 +52,26 @@ def _torchrun(out, *extra):
             *ARGS, *extra, "--out", str(out)]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The records of one uninterrupted single-process run (greedy), by id."""
+def _one_process(tmp_path_factory, args):
+    """The records of one uninterrupted single-process run (greedy) of `args`, by id."""
     out = tmp_path_factory.mktemp("reference") / "one.jsonl"
     with pytest.MonkeyPatch.context() as mp:
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             mp.delenv(name, raising=False)
-        distill_mod.main(ARGS + ["--out", str(out)])
+        distill_mod.main(args + ["--out", str(out)])
     records = _by_id(out)
     assert len(records) == 12
     return records
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _one_process(tmp_path_factory, ARGS)
+
+
+@pytest.fixture(scope="module")
+def short_reference(tmp_path_factory):
+    return _one_process(tmp_path_factory, SHORT)
 
 
 def _as_rank(monkeypatch, rank, world, argv):
@@ -109,38 +120,38 @@ def test_a_killed_torchrun_run_resumes_each_shard_under_accelerate_launch(tmp_pa
     assert _leftovers(tmp_path, out) == []  # shards and .done files are gone after the merge
 
 
-def test_a_resume_with_another_number_of_processes_reshards_what_is_missing(tmp_path, monkeypatch, reference):
+def test_a_resume_with_another_number_of_processes_reshards_what_is_missing(tmp_path, monkeypatch, short_reference):
     out = tmp_path / "d.jsonl"
     # A 2-process run of which only rank 1 finished: its shard holds the odd prompts.
-    first = _as_rank(monkeypatch, 1, 2, ARGS + ["--out", str(out)])
+    first = _as_rank(monkeypatch, 1, 2, SHORT + ["--out", str(out)])
     assert first["written"] == 6 and not out.exists()
     # Resumed on 3 processes: only the 6 missing prompts are generated, spread over the 3 ranks.
-    written = [_as_rank(monkeypatch, r, 3, ARGS + ["--out", str(out)])["written"] for r in (2, 1, 0)]
+    written = [_as_rank(monkeypatch, r, 3, SHORT + ["--out", str(out)])["written"] for r in (2, 1, 0)]
     assert sum(written) == 6 and all(n >= 1 for n in written)
-    assert _by_id(out) == reference
+    assert _by_id(out) == short_reference
     assert _leftovers(tmp_path, out) == []
 
     # A 2-process run killed after rank 0's shard, resumed by one plain process: merged at its end.
     again = tmp_path / "e.jsonl"
     with pytest.raises(SystemExit) as stop:  # rank 0 waits for rank 1, which never comes
-        _as_rank(monkeypatch, 0, 2, ARGS + ["--out", str(again), "--wait-timeout", "0.5"])
+        _as_rank(monkeypatch, 0, 2, SHORT + ["--out", str(again), "--wait-timeout", "0.5"])
     assert stop.value.code == 2
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name)
-    summary = distill_mod.main(ARGS + ["--out", str(again)])
+    summary = distill_mod.main(SHORT + ["--out", str(again)])
     assert summary["already_done"] == 6 and summary["written"] == 6 and summary["merged"] == 12
-    assert _by_id(again) == reference
+    assert _by_id(again) == short_reference
     assert _leftovers(tmp_path, again) == []
 
 
 def test_rank0_waiting_for_a_rank_that_never_finishes_is_a_clear_error(tmp_path, monkeypatch, capsys):
     out = tmp_path / "d.jsonl"
-    small = ARGS[:5] + ["6"] + ARGS[6:]  # --limit 6
+    small = SHORT[:5] + ["6"] + SHORT[6:]  # --limit 6
     _as_rank(monkeypatch, 1, 2, small + ["--out", str(out)])  # rank 1 of a run over 6 prompts: done
     capsys.readouterr()
     # Over 12 prompts rank 1's share is another: its old .done must not count as finished.
     with pytest.raises(SystemExit) as stop:
-        _as_rank(monkeypatch, 0, 2, ARGS + ["--out", str(out), "--wait-timeout", "0.5"])
+        _as_rank(monkeypatch, 0, 2, SHORT + ["--out", str(out), "--wait-timeout", "0.5"])
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and err[-1].startswith("error: rank(s) 1 of 2 did not finish"), err
     assert "d.rank1-of-2.jsonl" in err[-1] and "--wait-timeout" in err[-1]
