@@ -48,7 +48,8 @@ from mtpkit.models.backbone import DEFAULT_BACKBONE, add_device_args, eos_token_
 from mtpkit.models.decoding.decoder import Target
 from mtpkit.models.packed_linear import LINEARS
 from mtpkit.models.process import run_script
-from mtpkit.models.trees import BLOCKS, SIGNALS
+from mtpkit.models.schedules import SIGNALS
+from mtpkit.models.trees import BLOCKS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -115,7 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "them one after another, each a sequential circuit query per step; 1 costs none (the "
                         "tree's first query): use 1 where those queries are dear")
     p.add_argument("--signals", default="path,path_sum,entropy,accept,ema",
-                   help="ladder and hyst: the run-time signals to sweep, the fastest kept (mtpkit.models.trees): "
+                   help="ladder and hyst: the run-time signals to sweep, the fastest kept (mtpkit.models.schedules): "
                         "path (EAGLE-2's path value at the value depth), path_sum (the path values summed over "
                         "depths), entropy (the smoothed block-start entropy), accept (the EMA of the accept "
                         "length), ema (the EMA of the target's top-1 probability). Those a method cannot replay "

@@ -34,7 +34,7 @@ from mtpkit.data.chat import IGNORE
 from mtpkit.data.mtp import collate_cached, mask_inputs
 from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.decoding.drafter import Drafter
-from mtpkit.models.trees import entropy
+from mtpkit.models.schedules import entropy
 
 MISS = 1 << 20  # rank of a true token outside the head's top `--max-rank` (or past the end)
 

@@ -30,7 +30,8 @@ from mtpkit.eval.tree_search.calibration import Calibration
 from mtpkit.eval.tree_search.growth import self_tau
 from mtpkit.eval.tree_search.pricing import tokens_per_s
 from mtpkit.eval.tree_search.simulate import accept_length, path_value, rollout
-from mtpkit.models.trees import SMOOTHED, Schedule, Topology
+from mtpkit.models.schedules import SMOOTHED, Schedule
+from mtpkit.models.trees import Topology
 
 
 def frontier(trees: list[Topology], values: list[float]) -> list[int]:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from mtpkit.eval.tree_search.calibration import Calibration
-from mtpkit.models.trees import Schedule, Topology, path_signal
+from mtpkit.models.schedules import Schedule, path_signal
+from mtpkit.models.trees import Topology
 
 
 def accept_length(topology: Topology, ranks: list[int]) -> int:

@@ -65,7 +65,7 @@ Tree schedules (`tree=bank.json,schedule=ladder|hyst,task=T`, a bank written by
 by the path value, the target's top-1 probability at the newest byte with a state (read off the
 verifier's logits) times the circuit's top-1 conditional probabilities along its own top-1 chain
 as deep as the deepest scheduled tree, or the schedule's `value_depth` (`signal: path_sum`: the
-chain's products summed over its depths, `mtpkit.models.trees.path_signal`; one host read per step;
+chain's products summed over its depths, `mtpkit.models.schedules.path_signal`; one host read per step;
 static schedules compute none). Each depth is a sequential query; the first is the one the tree's
 depth 1 needs anyway, so `value_depth` 1 costs no query.
 Every scheduled tree's levels are built once per device, so a switch is a lookup.
@@ -85,8 +85,8 @@ from mtpkit.models.head_folder import recorded_backbone
 from mtpkit.models.mtpc.decode import LazyBTree, decode_window
 from mtpkit.models.mtpc.head import load_head, read_settings
 from mtpkit.models.mtpc.model import MTPCHead, MTPCModel
-from mtpkit.models.trees import (Schedule, Topology, TreeOptions, check_ranks, load_bank, path_signal,
-                                 tree_schedule)
+from mtpkit.models.schedules import Schedule, path_signal, tree_schedule
+from mtpkit.models.trees import Topology, TreeOptions, check_ranks, load_bank
 
 VERIFY = ("marginal", "path")
 UNIT_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "int8": torch.int8}  # None: the head's own precision

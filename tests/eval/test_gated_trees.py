@@ -20,7 +20,8 @@ from mtpkit.eval.tree_search.simulate import accept_length, rollout
 from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
-from mtpkit.models.trees import Schedule, Topology, TopologyBank, load_bank, parse_paths, tree_layout
+from mtpkit.models.schedules import Schedule
+from mtpkit.models.trees import Topology, TopologyBank, load_bank, parse_paths, tree_layout
 from tests.eval.test_gated_sampling import PROMPT, close_head, exact_joint, sampled_joint, small  # noqa: F401
 
 BRANCHY = "[[0],[1],[0,0],[0,1],[1,0]]"

@@ -17,7 +17,8 @@ from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
 from mtpkit.models.mtpc.model import MTPCConfig, MTPCModel, window_loss, window_targets
-from mtpkit.models.trees import Schedule, Topology
+from mtpkit.models.schedules import Schedule
+from mtpkit.models.trees import Topology
 
 tf = importlib.import_module("mtpkit.eval.tree_frontier")
 

@@ -15,7 +15,8 @@ from mtpkit.eval.tree_search.simulate import rollout
 from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
-from mtpkit.models.trees import Schedule, Topology
+from mtpkit.models.schedules import Schedule
+from mtpkit.models.trees import Topology
 from tests.eval.test_gated_sampling import exact_joint, sampled_joint, small  # noqa: F401
 from tests.eval.test_gated_trees import BRANCHY, PROMPTS, _bank
 

@@ -21,7 +21,8 @@ from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.decoding.host_reads import counting_reads
 from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
-from mtpkit.models.trees import Schedule, Topology, entropy, path_signal
+from mtpkit.models.schedules import Schedule, entropy, path_signal
+from mtpkit.models.trees import Topology
 from tests.eval.test_gated_sampling import close_head, small  # noqa: F401
 from tests.eval.test_gated_trees import BRANCHY, PROMPTS, _bank
 
