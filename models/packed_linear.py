@@ -226,6 +226,11 @@ class PackedGroup:
         return y[..., :O] + gate.scatter(gate.select(y[..., O:]) @ self.B, y[..., :O])
 
     def __call__(self, x: torch.Tensor, member: nn.Module) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # a compiled step (`mtpkit.models.decoding.step`): torch's layers, whose products the
+            # compiler plans itself; the group's weight-version checks and its siblings' shared
+            # output are Python state that would break the step's graph
+            return member.unpacked(x)
         kernel = self.kernel(x.numel() // x.shape[-1]) if self.usable(x) else "stock"
         if kernel == "stock":
             return member.unpacked(x)

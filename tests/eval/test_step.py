@@ -4,6 +4,8 @@ prepared GPU check runs them). Greedy decoding equals AR for every drafter with 
 speculative sampling stays exact, and the host reads per step stay within the device path's
 bounds."""
 
+import copy
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.decoding import step
 from mtpkit.models.decoding.step import STEPS
 from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig
+from mtpkit.models.packed_linear import pack_linears
 from mtpkit.models.pld import PLDConfig, PLDDrafter
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
 from tests.eval.test_decoder import (NEW_TOKENS, Q, SampledChainDrafter, SampledTreeDrafter, _exact_joint,
@@ -151,6 +154,18 @@ def test_compiled_gated_steps_trace_whole_and_equal_ar(tiny, monkeypatch):
     target = Target(*oracle.adapt(None, {}), step="compile")
     got = decode(target, oracle, PROMPT, 24)
     assert got.tokens == truth and got.tau > 1.5 and len(target.steps.steps) <= 3  # the first drafts' shapes, then one
+
+
+def test_a_compiled_step_on_packed_layers_traces_whole(tiny, monkeypatch):
+    """The packed groups (the CPU kernels `--linear auto` puts under every method) inside a compiled
+    step run as torch's layers: one graph (their weight-version checks and shared sibling output
+    would break it), equal to the eager decoder on the same packed target."""
+    monkeypatch.setattr(step, "COMPILE", {**step.COMPILE, "backend": "aot_eager"})
+    model, _ = tiny
+    packed = copy.deepcopy(model)
+    assert pack_linears(packed, "auto", min_numel=0) > 0
+    truth = decode(Target(packed), Drafter(), PROMPT, 12).tokens
+    assert decode(Target(packed, step="compile"), Drafter(), PROMPT, 12).tokens == truth
 
 
 def test_bad_step_settings_are_refused_in_one_line(tiny):
