@@ -343,6 +343,7 @@ def test_hf_ar_compile_asks_transformers_for_its_static_compiled_path():
         def __init__(self):
             super().__init__()
             self.embed = torch.nn.Embedding(4, 2)
+            self.config = SimpleNamespace(model_type="llama")
 
         def get_input_embeddings(self):
             return self.embed
