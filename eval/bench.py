@@ -371,16 +371,16 @@ def step_floors(results: dict, setup: Setup, args) -> None:
 def record_steps(results: dict, setup: Setup) -> None:
     """An eager and a compiled AR in one run (`ar ar:step=compile`) on a CPU: their decoding steps
     recorded for this machine and model, from which `--step auto` decides (`step_plan`)."""
-    steps = {setup.targets[spec].step: r.get("decode_step_ms") for spec, r in results["methods"].items()
-             if spec in setup.targets and type(setup.drafters[spec]) is Drafter}
-    if setup.model.get_input_embeddings().weight.device.type != "cpu" or None in (steps.get("eager"),
-                                                                                    steps.get("compile")):
+    ars = {setup.targets[spec].step: (r.get("decode_step_ms"), setup.targets[spec])
+           for spec, r in results["methods"].items() if spec in setup.targets and type(setup.drafters[spec]) is Drafter}
+    if setup.model.get_input_embeddings().weight.device.type != "cpu" or "eager" not in ars or "compile" not in ars:
         return
-    compiled = next(spec for spec in setup.targets if type(setup.drafters[spec]) is Drafter
-                    and setup.targets[spec].step == "compile")
-    entry = step_plan.record(setup.model, steps["eager"], steps["compile"], setup.targets[compiled].steps.compile_seconds)
-    print(f"[bench] recorded for --step auto on this machine: AR's compiled step {steps['compile']:.1f} ms against "
-          f"eager {steps['eager']:.1f} ms -> auto {'compiles' if entry['compile'] else 'stays eager'} "
+    (eager_ms, _), (compiled_ms, compiled) = ars["eager"], ars["compile"]
+    if None in (eager_ms, compiled_ms):
+        return
+    entry = step_plan.record(setup.model, eager_ms, compiled_ms, compiled.steps.compile_seconds)
+    print(f"[bench] recorded for --step auto on this machine: AR's compiled step {compiled_ms:.1f} ms against "
+          f"eager {eager_ms:.1f} ms -> auto {'compiles' if entry['compile'] else 'stays eager'} "
           f"({step_plan.plan_path(setup.model)})")
 
 

@@ -54,14 +54,16 @@ class StepOptions:
 
 def resolve_step(step: str, device: torch.device, model=None, drafter=None) -> str:
     """`auto`: captured CUDA graphs on CUDA; on a CPU compiled steps where this machine measured them
-    faster for `model` and `drafter` has few step shapes (`step_plan.auto_step`), else eager. Any
+    faster for `model` and `drafter` has few step shapes (`step_plan.cpu_step`), else eager. Any
     other mode as given."""
     if step != "auto":
         return step
-    if torch.device(device).type == "cuda" or model is None:
-        return "graph" if torch.device(device).type == "cuda" else "eager"
-    from mtpkit.models.decoding.step_plan import auto_step
-    return auto_step(model, device, drafter)
+    if torch.device(device).type == "cuda":
+        return "graph"
+    if model is None:  # nothing measured to go by
+        return "eager"
+    from mtpkit.models.decoding.step_plan import cpu_step
+    return cpu_step(model, drafter)
 
 
 def check_step(step: str, device: torch.device) -> None:

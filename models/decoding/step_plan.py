@@ -21,8 +21,7 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
+from mtpkit.models.atomic_write import write_atomic
 from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.kernel_plan import _key, kernel_cache, machine_info
 
@@ -55,9 +54,7 @@ def record(model, eager_ms: float, compiled_ms: float, compile_s: float) -> dict
              "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     path = plan_path(model)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(entry, indent=1))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(entry, indent=1))
     return entry
 
 
@@ -69,9 +66,7 @@ def few_shapes(drafter) -> bool:
     return bool(getattr(drafter, "few_shapes", False))
 
 
-def auto_step(model, device: torch.device, drafter) -> str:
-    """What `--step auto` runs for `drafter` on `model` (see the module docstring)."""
-    if torch.device(device).type == "cuda":
-        return "graph"
+def cpu_step(model, drafter) -> str:
+    """What `--step auto` runs on a CPU for `drafter` on `model` (see the module docstring)."""
     found = recorded(model)
     return "compile" if found and found.get("compile") and few_shapes(drafter) else "eager"
