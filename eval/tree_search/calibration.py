@@ -163,13 +163,13 @@ def calibrate_mtpc(model, target: Target, ids: list[int], prompt_len: int, task:
     draft layers') over its window; ranks[j, d-1] = the rank of the true byte x[t+d] in the
     circuit's exact conditional given the true bytes x[t+1..t+d-1] (ties as the drafter's stable
     sort breaks them: the lower byte first), head_top1[j, d-1] = the circuit's top-1 conditional
-    probability at position d along its own top-1 chain (the drafter's `chain_value`),
+    probability at position d along its own top-1 chain (`draft_trees.chain_value`),
     target_top1[j] = the target's top-1 probability at t. With `temperature` > 0 (speculative
     sampling, `ids` the target's own sample) also `accept` (the per-byte acceptance probability
     given the output, up to window position depth + 1) and `head_top1_kept`."""
     from mtpkit.models.generate import target_probs
     from mtpkit.models.mtpc.circuits import next_log_probs_posterior
-    from mtpkit.models.mtpc.drafter import chain_log_top1
+    from mtpkit.models.mtpc.draft_trees import chain_log_top1
 
     device = target.device
     x = torch.tensor(ids, device=device)[None]

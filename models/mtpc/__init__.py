@@ -1,8 +1,8 @@
 """MTPC, probabilistic-circuit heads over the next n bytes ("Fast and Expressive Multi-Byte
 Prediction with Probabilistic Circuits", arXiv:2511.11346): the native circuits (`circuits`), the
 training head and model (`model`), the head folder (`head`), the decode-only kernels (`decode`),
-the drafter (`drafter`), libcirkit heads (`cirkit_head`, `circuit_cirkit`; imported on use) and
-the entry in the table of methods (`METHOD`)."""
+the drafter (`drafter`) and its draft trees (`draft_trees`), libcirkit heads (`cirkit_head`,
+`circuit_cirkit`; imported on use) and the entry in the table of methods (`METHOD`)."""
 
 from mtpkit.models.method import Method
 from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter

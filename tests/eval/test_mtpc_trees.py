@@ -15,7 +15,8 @@ from mtpkit.eval.bench import parse_method
 from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.mtpc.circuits import greedy_chain, next_log_probs
-from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter, load_tree
+from mtpkit.models.mtpc.draft_trees import load_tree
+from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
 from tests.eval.test_host_syncs import BOUNDS, device_target, reads_per_step
 from tests.eval.test_mtpc_decoding import (PROMPT, OracleMTPC, exact_two_token_joint, make_head,  # noqa: F401
                                             small, two_token_counts)
@@ -141,7 +142,7 @@ def test_siblings_verified_with_plain_q_fail_the_same_test(small, monkeypatch):
     """Power check: verifying every sibling with the plain conditional q (not renormalised over
     the bytes not drawn yet) is biased, and the first case of the test above catches it."""
     plain = lambda q, order: q[:, None].expand(-1, order.shape[1], -1)  # noqa: E731
-    monkeypatch.setattr("mtpkit.models.mtpc.drafter.sibling_probs", plain)
+    monkeypatch.setattr("mtpkit.models.mtpc.draft_trees.sibling_probs", plain)
     pvalue, _ = sampled_tree_pvalue(small, "btree", 0, 1.0, far=True)
     assert pvalue < 1e-6
 

@@ -12,7 +12,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from fuzzing import HUGE, JUNK, TEXT, Blob, Deep, fuzz, one_line
-from mtpkit.models.mtpc.drafter import load_tree
+from mtpkit.models.mtpc.draft_trees import load_tree
 from mtpkit.models.trees import Topology, load_bank, parse_paths
 
 
