@@ -37,7 +37,8 @@ so the same ladder and hyst rules read each):
 EntMTP's Section 4 names the path values the policy's features and its scalar "monotone in the
 verifier's expected accept length"; whether that scalar is V_D or the sum over depths is not
 recoverable from the text (its formulas are lost), hence both. `entropy`, `accept` and `ema` are
-for the mask-token drafters (gated LoRA, the probe); MTPC schedules read `path` or `path_sum`.
+for the mask-token drafters (gated LoRA, the probe), and all but `ema` for Medusa and Hydra heads
+(`mtpkit.models.medusa.drafter`); MTPC schedules read `path` or `path_sum`.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ The probe: the same pass on the plain target with the probe's synthesised mask e
 (`calibrate_probe`). MTPC: the circuit of every position's state over its window, the rank of
 each true byte in the exact conditional given the true bytes before it, and the top-1
 conditionals along the circuit's own top-1 chain (`calibrate_mtpc`). Medusa and Hydra heads: the
-target's state at every position and the rank of each true token among each head's candidates
-(`calibrate_heads`).
+target's state at every position, the rank of each true token among each head's candidates and
+the heads' top-1 probabilities along their own greedy chain (`calibrate_heads`).
 
 `calibrate_tasks` runs the pass over every task's prompts (the last `--holdout` of each kept
 apart for the check); `--calibrations FILE` keeps it (`save_calibrations`, `load_calibrations`)
@@ -224,9 +224,11 @@ def calibrate_heads(heads, target: Target, ids: list[int], prompt_len: int, task
     P - 1 + j) the target's last hidden state h_t; ranks[j, d-1] = the rank of the true token
     x[t+1+d] among head d's candidates (Medusa: from h_t alone; Hydra: given the true tokens
     x[t+1..t+d], the bonus first, which is the path a matching tree node sits on),
-    head_top1[j, d-1] = head d's top-1 probability there, target_top1[j] = the target's top-1
-    probability at t. The heads draft from the deepest accepted node's state after every step, so
-    every node of a tree drafts the next one (cycle "heads")."""
+    head_top1[j, d-1] = head d's top-1 probability along the heads' greedy chain (the path value's
+    factor, as the drafter computes it: Medusa's head d at h_t; Hydra's given the bonus x[t+1] and
+    the chain's own top-1 tokens before it), target_top1[j] = the target's top-1 probability at t.
+    The heads draft from the deepest accepted node's state after every step, so every node of a
+    tree drafts the next one (cycle "heads")."""
     device = target.device
     x = torch.tensor(ids, device=device)
     n, P, K = len(ids) - prompt_len, prompt_len, heads.cfg.heads
@@ -240,6 +242,7 @@ def calibrate_heads(heads, target: Target, ids: list[int], prompt_len: int, task
     for s in range(0, n, chunk):
         rows = torch.arange(s, min(s + chunk, n), device=device)
         t = P - 1 + rows
+        chain = padded[t + 1][:, None]  # Hydra's greedy chain: the bonus, then the heads' top-1 tokens
         for d in range(1, K + 1):
             prev = torch.stack([padded[t + i] for i in range(1, d + 1)], -1) if heads.hydra else None
             logits = heads.logits(d - 1, heads.hidden(d - 1, h[rows], prev), target.lm_head).float()  # [B, V]
@@ -247,7 +250,11 @@ def calibrate_heads(heads, target: Target, ids: list[int], prompt_len: int, task
             r = (logits > logits.gather(1, y[:, None])).sum(-1)
             valid = rows + d < n  # x[t+1+d] is a generated token
             ranks[rows.cpu(), d - 1] = torch.where(valid & (r < max_rank), r, torch.full_like(r, MISS)).cpu()
-            head_top1[rows.cpu(), d - 1] = torch.softmax(logits, -1).amax(-1).cpu()
+            if heads.hydra and d > 1:  # head d on its own chain, not on the true tokens
+                logits = heads.logits(d - 1, heads.hidden(d - 1, h[rows], chain), target.lm_head).float()
+            top = torch.softmax(logits, -1).max(-1)
+            head_top1[rows.cpu(), d - 1] = top.values.cpu()
+            chain = torch.cat([chain, top.indices[:, None]], -1)
     return Calibration(task, prompt_len, n, ranks, target_top1, head_top1, cycle="heads",
                        target_entropy=entropy(target_logits).cpu())
 
@@ -264,6 +271,8 @@ def calibration_key(args, tasks: dict[str, list[dict]], dtype: torch.dtype) -> d
     calibration on a GPU."""
     key = {name: getattr(args, name, None) for name in CALIBRATION_ARGS}
     key["dtype"] = str(dtype).removeprefix("torch.")
+    if getattr(args, "method", None) == "hydra":  # head_top1 along the heads' own greedy chain (older files: true tokens)
+        key["hydra_top1"] = "greedy chain"
     head = Path(args.head) if getattr(args, "head", "") else None
     if head is not None and head.is_dir():
         digest = hashlib.sha256()

@@ -22,8 +22,8 @@ from mtpkit.models.arch import adapter_for
 from mtpkit.models.decoding.cache import new_cache
 from mtpkit.models.generate import target_probs
 from mtpkit.models.decoding.step import StepBank, check_step
-from mtpkit.models.decoding.verify import (accept_on_device, attention_inputs, path_to, sample_on_device,
-                                           verify_greedy, verify_sampling, walk_greedy)
+from mtpkit.models.decoding.verify import (accept_on_device, attention_inputs, path_to, read_decision,
+                                           sample_on_device, verify_greedy, verify_sampling, walk_greedy)
 from mtpkit.models.decoding.drafter import Drafter, StepOutput
 from mtpkit.models.decoding.window import fit_window, host_ints
 from mtpkit.models.trees import children_of, tree_layout
@@ -179,7 +179,9 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
     per step (the argmax of every row with the draft tokens), so the device never waits on the
     host in between (tests/eval/test_host_syncs.py counts the reads); speculative sampling there is
     one read too (`sample_on_device`: deterministic drafts, chain or tree, and chains of drawn
-    drafts; a tree of drawn drafts is walked on the host). `on_tokens`, when given,
+    drafts; a tree of drawn drafts is walked on the host). A drafter's numbers computed from the
+    deepest accepted node (`Drafter.step_signal`: a tree schedule's signal) travel in that read.
+    `on_tokens`, when given,
     gets each step's accepted tokens as the step ends (what `result.tokens` gains: cut at an EOS
     and at `max_new_tokens`), for streaming."""
     started = time.perf_counter()
@@ -259,6 +261,7 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         children = draft.children if draft.children is not None else children_of(draft_parents, 1 + N)
         chain = all(p == i for i, p in enumerate(draft_parents))
         choices = None  # the target's argmax of every row, when read at once
+        signal = None  # the drafter's `step_signal`, when read with the decision
         decision = None  # the device's (last accepted node, bonus) of a sampled step
         device_tokens = host_tokens is None and N
         if temperature <= 0 and not lazy:
@@ -270,14 +273,23 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
                 if not chain and layout is None:
                     layout = step_layout(target, draft, parents)
                 best = accept_on_device(argmaxes, ids[: 1 + N], None if chain else layout)
-                read = torch.cat([best[None], argmaxes] + ([draft_ids] if device_tokens else [])).tolist()
+                wanted = None
+                if drafter.wants_signal:  # at the deepest accepted node, on the device: read with the decision
+                    node = best.view(1)
+                    wanted = drafter.step_signal(hidden.index_select(0, node), every.index_select(0, node),
+                                                 argmaxes.index_select(0, node))
+                read, signal = read_decision(torch.cat([best[None], argmaxes] + ([draft_ids] if device_tokens else [])),
+                                             wanted)
                 choices = read[1: 1 + len(hidden)]
                 step_tokens = [context[-1]] + (read[1 + len(hidden):] if device_tokens else host_tokens)
                 last = read[0]
                 accepted = path_to(last, draft_parents)
                 bonus = choices[last]
             else:  # AR, or the prefill's draft: every row's argmax (and the draft tokens) read, walked here
-                read = torch.cat([argmaxes] + ([draft_ids] if device_tokens else [])).tolist()
+                # (without a draft the last accepted node is the root, row 0)
+                wanted = drafter.step_signal(hidden[:1], every[:1], argmaxes[:1]) if drafter.wants_signal and not N \
+                    else None
+                read, signal = read_decision(torch.cat([argmaxes] + ([draft_ids] if device_tokens else [])), wanted)
                 choices = read[: len(hidden)]
                 step_tokens = [context[-1]] + (read[len(hidden):] if device_tokens else host_tokens or [])
                 accepted, last, bonus = walk_greedy(choices.__getitem__, children, step_tokens)
@@ -294,7 +306,11 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
             probs = target_probs(logits(list(range(1 + N))), temperature, top_p)
             decision = sample_on_device(probs, ids[root: root + 1 + N], draft.draft_probs,
                                         None if chain else layout, generator)
-            read = torch.cat([decision] + ([draft_ids] if device_tokens else [])).tolist()
+            wanted = None
+            if drafter.wants_signal:
+                node = decision[:1]
+                wanted = drafter.step_signal(hidden.index_select(0, node), every.index_select(0, node), decision[1:])
+            read, signal = read_decision(torch.cat([decision] + ([draft_ids] if device_tokens else [])), wanted)
             last, bonus = read[0], read[1]
             step_tokens = [context[-1]] + (read[2:] if device_tokens else host_tokens or [])
             accepted = path_to(last, draft_parents)
@@ -326,7 +342,8 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
                 result.accept_counts.append(0)
             result.accept_counts[depth] += 1
         drafter.observe(restore(StepOutput(accepted=accepted, last_node=last, new_tokens=new, hidden=hidden,
-                                           logits=logits, context_len=c, shared_hidden=shared, choices=choices)))
+                                           logits=logits, context_len=c, shared_hidden=shared, choices=choices,
+                                           signal=signal)))
         if result.target_calls == 1:
             result.prefill_seconds = time.perf_counter() - started - result.compile_seconds
         sent = len(result.tokens)  # what on_tokens has had

@@ -86,6 +86,9 @@ class StepOutput:
     choices:    [Q] the target's argmax token of every step row, already on the host (greedy
                 decoding on the device path reads them with the acceptance decision), or None:
                 then `logits(rows).argmax(-1)` gives them.
+    signal:     what the drafter's `step_signal` returned, on the host: read with the acceptance
+                decision, or None where the decoder did not ask for it (the CPU path, a step whose
+                acceptance is walked on the host) or the drafter wanted nothing.
     """
     accepted: list[int]
     last_node: int
@@ -95,6 +98,7 @@ class StepOutput:
     context_len: int = 1
     shared_hidden: torch.Tensor | None = None
     choices: list[int] | None = None
+    signal: list[float] | None = None
 
 
 class Drafter:
@@ -113,6 +117,8 @@ class Drafter:
     top_p: float = 1.0
     """set by the decoder with `sampling`: the nucleus the verifier keeps of the target's
     distribution (1.0 = all of it)"""
+    wants_signal: bool = False
+    """whether the decoder calls `step_signal` (no device work for the drafters that set none)"""
 
     def adapt(self, model, shared: dict):
         """(model, gate) this drafter decodes with, given the plain target `model`. Drafters that
@@ -137,6 +143,14 @@ class Drafter:
 
     def observe(self, step: StepOutput) -> None:
         """Read the outputs of the step just verified."""
+
+    def step_signal(self, hidden: torch.Tensor, logits: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor | None:
+        """Numbers [F] the drafter wants on the host after this step, computed on the device from
+        the deepest accepted node's row before the decoder's one read of the acceptance decision,
+        and read with it (`StepOutput.signal`): the row's last-layer state `hidden` [1, d], the
+        target's `logits` [1, V] there and the `bonus` token [1]. The decoder asks a drafter that
+        `wants_signal` where it knows that node on the device (the device path); None: nothing."""
+        return None
 
 
 class StockAR(Drafter):

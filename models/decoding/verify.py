@@ -102,6 +102,17 @@ def sample_on_device(probs: torch.Tensor, step_tokens: torch.Tensor, draft_probs
     return torch.stack([last, draw(residual, generator)[last]])
 
 
+def read_decision(decision: torch.Tensor, signal: torch.Tensor | None) -> tuple[list, list[float] | None]:
+    """The step's ONE host read: the acceptance decision (integers on the device) and, when a drafter
+    asked for them (`Drafter.step_signal`), its floats in the same read; float64 holds every token id
+    and node index exactly. Returns (the integers, the floats or None)."""
+    if signal is None:
+        return decision.tolist(), None
+    n = decision.numel()
+    both = torch.cat([decision.double(), signal.detach().double().flatten()]).tolist()
+    return [int(x) for x in both[:n]], both[n:]
+
+
 def path_to(node: int, parents: list[int]) -> list[int]:
     """Draft nodes from the root (excluded) down to `node` (0: none), by the draft's host parents."""
     path = []

@@ -77,6 +77,6 @@ def fit_window(target: Target, draft: Draft, root: int) -> tuple[Draft, Callable
                                                      for r in range(1 + N + M)]
         return StepOutput(accepted=[kept[a] for a in step.accepted], last_node=kept[step.last_node],
                           new_tokens=step.new_tokens, hidden=hidden, logits=logits, context_len=step.context_len,
-                          shared_hidden=shared, choices=choices)
+                          shared_hidden=shared, choices=choices, signal=step.signal)
 
     return cut, restore

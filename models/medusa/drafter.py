@@ -25,39 +25,49 @@ Either way the draft tokens are computed and stay on the target's device (a tens
 host for drafting. The drafts are deterministic top-k candidates, which speculative sampling
 verifies as one-hot proposals (SpecInfer's multi-candidate rule): greedy output equals AR and
 sampled output follows the target's distribution (tests/eval/test_medusa_decoding.py).
+
+Tree schedules (`tree=bank.json,task=T,schedule=ladder|hyst`, a bank written by
+`eval/tree_frontier.py --method medusa|hydra`; EntMTP, "EntMTP: Accelerating LLM Inference with
+Entropy Guided Multi Token Prediction", arXiv:2606.27550, Sec. 4): after each step the schedule
+(`mtpkit.models.schedules`) picks the next tree by its signal at the deepest accepted node:
+`path` / `path_sum`, EAGLE-2's path values V_d = p_0 p_1 ... p_d with p_0 the target's top-1
+probability there and p_d head d's top-1 probability along the heads' greedy chain (Hydra: head d
+given the bonus and the chain's d - 1 tokens), D deep (the deepest scheduled tree, or the
+schedule's `value_depth`); `entropy`, the smoothed entropy of the target there; `accept`, the
+smoothed accept length (host data). On the device path those numbers are computed on the device
+before the decoder's one read and travel in it (`step_signal`); on the CPU path, and for Hydra++'s
+path values (the prefix layer runs after acceptance), `observe` reads them itself.
 """
 
 from __future__ import annotations
 
-import copy
+import json
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
 from mtpkit.models.decoding.drafter import Draft, Drafter, StepOutput
-from mtpkit.models.decoding.step import StepOptions
 from mtpkit.models.head_folder import recorded_backbone
 from mtpkit.models.medusa.head import load_head, read_settings
 from mtpkit.models.medusa.model import MedusaConfig, MedusaHeads
-from mtpkit.models.medusa.trees import choose_tree
-from mtpkit.models.trees import check_ranks, compile_topology
+from mtpkit.models.medusa.trees import choose_trees
+from mtpkit.models.schedules import entropy, path_signal
+from mtpkit.models.trees import TreeOptions, check_ranks, compile_topology
 
 
 @dataclass
-class MedusaDraftConfig(StepOptions):
+class MedusaDraftConfig(TreeOptions):
     head: str = ""
     """head folder (train/export.py output or a checkpoint's head/) of Medusa or Hydra heads"""
     tree: str = ""
     """the draft: '' = the top-1 chain of every head; mc_sim_7b_63 (also medusa_default,
     hydra_default: both papers' published default, 63 nodes, 4 deep: needs 4 heads); chainN; a
     JSON list of rank paths like [[0],[1],[0,0]] (inline or in a .json file); or a bank written by
-    eval/tree_frontier.py. A wide tree pays where a step's extra rows cost little (a GPU); on a
-    CPU a short chain"""
-    index: int = -1
-    """tree=a bank: its tree to decode with (-1 = the static tree calibrated for `task`, else tree 0)"""
-    task: str = ""
-    """tree=a bank: the task whose calibrated static tree to use ('' = the first)"""
+    eval/tree_frontier.py --method medusa|hydra, whose trees `schedule` switches (ladder, hyst) or
+    fixes (static: `index`, else the task's calibrated tree). A wide tree pays where a step's extra
+    rows cost little (a GPU); on a CPU a short chain"""
+    # schedule, task, index, log: `TreeOptions` (mtpkit.models.trees)
     allow_other_backbone: bool = False
     """run the heads on a backbone other than the one they were trained on (refused otherwise; the
     bench marks the row)"""
@@ -79,6 +89,7 @@ class MedusaDrafter(Drafter):
             head_config, settings = read_settings(config.head)
             self._check(settings, recorded_backbone(head_config).get("vocab_size"))
         self.indices_device = None  # the device the index tensors were built on
+        self.tree_log = None
 
     def _check(self, settings: MedusaConfig, vocab_size: int | None) -> None:
         if self.arch is not None and settings.arch != self.arch:
@@ -88,10 +99,16 @@ class MedusaDrafter(Drafter):
         # the prefix layer reads the final states of every position the step accepted, prompt
         # included: transformers ties the last entry of hidden_states to last_hidden_state
         self.shared_layer = -1 if settings.prefix_layer else None
-        self.topology = choose_tree(self.config.tree, settings.heads, self.config.task, self.config.index)
+        self.trees, self.schedule = choose_trees(self.config, settings.heads, settings.arch)
+        scheduled = sorted(set(self.schedule.trees))
         if isinstance(vocab_size, int):
-            check_ranks([self.topology], vocab_size, f"{settings.arch} tree={self.config.tree!r}")
-        self.compiled = compile_topology(self.topology, 0)
+            check_ranks([self.trees[i] for i in scheduled], vocab_size, f"{settings.arch} tree={self.config.tree!r}")
+        self.compiled = {i: compile_topology(self.trees[i], 0) for i in scheduled}
+        self.deepest = max(self.trees[i].depth for i in scheduled)
+        s = self.schedule  # the decoder reads the signal with its decision, but for `accept` (host data)
+        # and Hydra++'s path values (the heads read the prefix layer's output, made in `observe`)
+        self.wants_signal = s.switches and s.signal != "accept" and (s.signal == "entropy" or not settings.prefix_layer)
+        self.topology = self.trees[self.schedule.trees[0]]  # the tree of the next draft
 
     def adapt(self, model, shared: dict):
         """The heads loaded (once per head folder) on the target's device and in its dtype; the
@@ -110,22 +127,27 @@ class MedusaDrafter(Drafter):
     def begin(self, target, prompt_ids: list[int]) -> None:
         self.target = target
         self.h = None  # the heads' input at the deepest accepted node (None: nothing to draft from yet)
-        self.bonus = None
+        self.bonus = self.bonus_ids = None
         self.length = 0  # tokens in the sequence before the current step
         self.cached = 0  # positions the prefix layer has processed
         self.cache = DynamicCache() if self.model.prefix is not None else None
+        self.position = self.schedule.start()  # index into schedule.trees
+        self.topology = self.trees[self.schedule.trees[self.position]]
+        self.ema = None  # entropy, accept: the running average (None until the first observation)
+        self.drafted = False  # whether the step in flight drafted (from a state)
         if self.indices_device != target.device:
-            self._build_indices(target.device)
+            self.indices = {i: self._build_indices(i, target.device) for i in self.compiled}
+            self.indices_device = target.device
+        if self.config.log and self.tree_log is None:  # line-buffered: one line per step, kept on a crash
+            self.tree_log = open(self.config.log, "a", buffering=1)
 
-    def _build_indices(self, device) -> None:
-        """The tree as index tensors on `device`, built once: Medusa's (depth, rank) of every node;
-        Hydra's per depth (its nodes, each node's parent row, its rank, every parent's path)."""
-        t, c = self.topology, self.compiled
-        self.width = t.max_rank
+    def _build_indices(self, index: int, device) -> tuple:
+        """Tree `index` as index tensors on `device`, built once: its width, Medusa's (depth, rank)
+        of every node, Hydra's per depth (its nodes, each node's parent row, its rank, every
+        parent's path)."""
+        t, c = self.trees[index], self.compiled[index]
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        self.depth_index = as_tensor([d - 1 for d in t.depths])
-        self.rank_index = as_tensor(t.ranks)
-        self.levels = []
+        levels = []
         for nodes, parents in c.levels:
             where = {p: i for i, p in enumerate(parents)}
             paths = []
@@ -135,55 +157,127 @@ class MedusaDrafter(Drafter):
                     path.append(node)
                     node = t.parents[node - 1]
                 paths.append([0] + path[::-1])
-            self.levels.append((as_tensor(nodes), as_tensor([where[t.parents[j - 1]] for j in nodes]),
-                                as_tensor([t.ranks[j - 1] for j in nodes]), as_tensor(paths)))
-        self.indices_device = device
+            levels.append((as_tensor(nodes), as_tensor([where[t.parents[j - 1]] for j in nodes]),
+                           as_tensor([t.ranks[j - 1] for j in nodes]), as_tensor(paths)))
+        return t.max_rank, as_tensor([d - 1 for d in t.depths]), as_tensor(t.ranks), levels
 
     def propose(self, tokens: list[int]) -> Draft:
         self.length = len(tokens)
+        self.drafted = self.h is not None
+        index = self.schedule.trees[self.position]
+        self.topology = self.trees[index]
         if self.h is None or not self.topology.num_nodes:
             return Draft.empty()
         with torch.no_grad():
-            draft = self._hydra_tokens() if self.model.hydra else self._medusa_tokens()
-        c = self.compiled
+            draft = self._hydra_tokens(index) if self.model.hydra else self._medusa_tokens(index)
+        c = self.compiled[index]
         return Draft(tokens=draft, parents=c.parents, layout=c.layout, children=c.children)
 
-    def _medusa_tokens(self) -> torch.Tensor:
-        """[N] tokens on the device: the D heads' states through the LM head in one call (one read of
-        its weight), then node (r_1..r_d) = the r_d-th token of head d."""
-        m, D = self.model, self.topology.depth
-        z = torch.cat([m.hidden(i, self.h[None]) for i in range(D)])  # [D, d]
+    def _medusa_logits(self, h: torch.Tensor, depth: int) -> torch.Tensor:
+        """[depth, V]: the first `depth` heads' logits at h [1, d], through the LM head in one call
+        (one read of its weight)."""
+        m = self.model
+        z = torch.cat([m.hidden(i, h) for i in range(depth)])  # [depth, d]
         if m.proj is None:
-            logits = m.logits(0, z, self.target.lm_head)  # [D, V]
-        else:
-            logits = torch.cat([m.logits(i, z[i: i + 1]) for i in range(D)])
-        top = logits.topk(self.width, dim=-1).indices  # [D, width]
-        return top[self.depth_index, self.rank_index]
+            return m.logits(0, z, self.target.lm_head)
+        return torch.cat([m.logits(i, z[i: i + 1]) for i in range(depth)])
 
-    def _hydra_tokens(self) -> torch.Tensor:
+    def _medusa_tokens(self, index: int) -> torch.Tensor:
+        """[N] tokens on the device: node (r_1..r_d) = the r_d-th token of head d."""
+        width, depth_index, rank_index, _ = self.indices[index]
+        top = self._medusa_logits(self.h[None], self.topology.depth).topk(width, dim=-1).indices  # [D, width]
+        return top[depth_index, rank_index]
+
+    def _hydra_tokens(self, index: int) -> torch.Tensor:
         """[N] tokens on the device, depth by depth: head d on every parent's path tokens (the bonus
         first), node = the r_d-th token of its parent's row."""
         m, N = self.model, self.topology.num_nodes
+        width, _, _, levels = self.indices[index]
         node_tokens = torch.empty(1 + N, dtype=torch.long, device=self.h.device)
-        node_tokens[:1] = self.target.upload([self.bonus])
-        for i, (nodes, parent_row, ranks, paths) in enumerate(self.levels):
+        node_tokens[:1] = self._bonus_ids()
+        for i, (nodes, parent_row, ranks, paths) in enumerate(levels):
             z = m.hidden(i, self.h.expand(len(paths), -1), node_tokens[paths])  # [P, d]
-            top = m.logits(i, z, self.target.lm_head).topk(self.width, dim=-1).indices  # [P, width]
+            top = m.logits(i, z, self.target.lm_head).topk(width, dim=-1).indices  # [P, width]
             node_tokens[nodes] = top[parent_row, ranks]
         return node_tokens[1:]
 
+    def _bonus_ids(self) -> torch.Tensor:
+        """[1] the bonus on the device (uploaded once a step)."""
+        if self.bonus_ids is None:
+            self.bonus_ids = self.target.upload([self.bonus])
+        return self.bonus_ids
+
+    def _chain_top1(self, h: torch.Tensor, bonus: torch.Tensor, depth: int) -> torch.Tensor:
+        """[depth] p_1..p_depth: each head's top-1 probability along the heads' greedy chain from h
+        [1, d] (Medusa: head d's alone, `bonus` unused; Hydra: head d given the bonus [1] and the
+        chain's top-1 tokens before it)."""
+        m = self.model
+        if not depth:
+            return h.new_zeros(0, dtype=torch.float)
+        if not m.hydra:
+            return torch.softmax(self._medusa_logits(h, depth).float(), -1).amax(-1)
+        tokens, out = bonus.view(1, 1), []
+        for i in range(depth):
+            top = torch.softmax(m.logits(i, m.hidden(i, h, tokens), self.target.lm_head).float(), -1).max(-1)
+            out.append(top.values)
+            tokens = torch.cat([tokens, top.indices[:, None]], -1)
+        return torch.cat(out)
+
+    def _signal_inputs(self, h: torch.Tensor, logits: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+        """What the schedule's signal reads at the deepest accepted node, on the device: entropy, the
+        target's entropy there [1]; path, path_sum, [p_0, p_1..p_D] (p_0 the target's top-1
+        probability there, `logits` [1, V]; `_chain_top1` from the heads' input h [1, d])."""
+        if self.schedule.signal == "entropy":
+            return entropy(logits)
+        p0 = torch.softmax(logits.float(), -1).amax(-1)  # [1]
+        return torch.cat([p0, self._chain_top1(h, bonus, self.schedule.depth_of_value(self.deepest))])
+
+    def step_signal(self, hidden: torch.Tensor, logits: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+        """The signal's numbers (`_signal_inputs`), read with the decoder's acceptance decision
+        (asked for where `wants_signal`)."""
+        return self._signal_inputs(hidden, logits, bonus)
+
+    def _next_tree(self, step: StepOutput) -> float | None:
+        """Move the schedule on after `step` by its signal; returns the signal's value v."""
+        s = self.schedule
+        if s.signal == "accept":  # a drafted step's tokens: its accepted drafts and the bonus
+            if self.drafted:
+                self.ema = s.smooth(self.ema, [len(step.accepted) + 1])
+            value = s.value(self.ema)
+        else:
+            read = step.signal
+            if read is None:  # the CPU path (or Hydra++'s prefix state): one read here
+                bonus = self._bonus_ids() if self.model.hydra else None
+                read = self._signal_inputs(self.h[None], step.logits([step.last_node]), bonus).tolist()
+            if s.signal == "entropy":
+                self.ema = s.smooth(self.ema, read)
+                value = s.value(self.ema)
+            else:
+                value = path_signal(s.signal, read[0], read[1:])
+        self.position = s.next(self.position, value)
+        return value
+
     def observe(self, step: StepOutput) -> None:
-        self.bonus = step.new_tokens[-1]
+        self.bonus, self.bonus_ids = step.new_tokens[-1], None
         if self.model.prefix is None:
             self.h = step.hidden[step.last_node]  # [d]: its next token is the bonus
-            return
-        # the prefix layer over the positions it has not seen: the context rows (the prompt, then
-        # each step's root), then the accepted nodes in path order (a tree's path is not contiguous)
-        first = self.length - step.context_len  # absolute position of the forward's row 0
-        upto = self.length - 1 + len(step.accepted)  # the deepest accepted node's position
-        path = [step.context_len - 1 + i for i in step.accepted]
-        rows = torch.cat([step.shared_hidden[self.cached - first: step.context_len], step.shared_hidden[path]])
-        positions = torch.arange(self.cached, upto + 1, device=rows.device)[None]
-        with torch.no_grad():
-            self.h = self.model.prefix(rows[None], positions, past_key_values=self.cache)[0, -1]
-        self.cached = upto + 1
+        else:
+            # the prefix layer over the positions it has not seen: the context rows (the prompt, then
+            # each step's root), then the accepted nodes in path order (a tree's path is not contiguous)
+            first = self.length - step.context_len  # absolute position of the forward's row 0
+            upto = self.length - 1 + len(step.accepted)  # the deepest accepted node's position
+            path = [step.context_len - 1 + i for i in step.accepted]
+            rows = torch.cat([step.shared_hidden[self.cached - first: step.context_len],
+                              step.shared_hidden[path]])
+            positions = torch.arange(self.cached, upto + 1, device=rows.device)[None]
+            with torch.no_grad():
+                self.h = self.model.prefix(rows[None], positions, past_key_values=self.cache)[0, -1]
+            self.cached = upto + 1
+        used = self.schedule.trees[self.position] if self.drafted else None
+        value = None
+        if self.schedule.switches:
+            with torch.no_grad():
+                value = self._next_tree(step)
+        if self.tree_log is not None:
+            self.tree_log.write(json.dumps({"tree": used, "accepted": len(step.accepted), "value": value,
+                                            "next": self.schedule.trees[self.position]}) + "\n")
