@@ -112,8 +112,11 @@ class PackedGroup:
 
     and gated rows then get one addmm with the block-diagonal [B_1, ..., B_m] (the LoRA scaling
     folded in): in place on a contiguous gated run of a batch-1 forward (decoding), else through
-    `Gate.select`/`Gate.scatter`. Ungated rows are W x exactly. Each member gets its own columns
-    (a view); a group of one returns the product itself.
+    `Gate.select`/`Gate.scatter`. On the CPU, members of one width and rank (gate/up) take one
+    batched product over their own B_i on that run instead: the block-diagonal's zero blocks are
+    half its bytes and products, which a step of several gated rows (quadratic decoding) pays.
+    Ungated rows are W x exactly. Each member gets its own columns (a view); a group of one
+    returns the product itself.
 
     Kernel: `plan[min(rows, len(plan)) - 1]` for a call over `rows` rows (`KERNELS`: `stock` =
     each member's own `unpacked` forward, torch's layer exactly; `linear` = `F.linear` on the
@@ -198,6 +201,12 @@ class PackedGroup:
                 parts += [At.new_zeros(At.shape[1]) for At, _ in self.lora]
                 self.bias = parts[0] if len(parts) == 1 else torch.cat(parts)
             self.B = torch.block_diag(*[Bt for _, Bt in self.lora]) if self.lora else None  # [R, out]
+            # members of one width and rank (gate/up): their gated rows as one batched product over
+            # their own B, without the block-diagonal's zero blocks (CPU groups: on a GPU a batched
+            # product on strided views is not known to stay one launch)
+            shapes = {Bt.shape for _, Bt in self.lora}
+            self.batched = (torch.stack([Bt for _, Bt in self.lora])  # [m, r, out / m]
+                            if self.onednn and len(self.lora) > 1 and len(shapes) == 1 else None)
             self.packed = pack_rows(self.weight) if self.onednn else None
             if not self.onednn and len(rows) > 1:
                 # a GPU group keeps one copy of its members' weights (an 8B model's would not fit
@@ -221,7 +230,12 @@ class PackedGroup:
             return y[..., :O]
         if gate.span is not None and x.dim() == 3 and x.shape[0] == 1:
             s, e = gate.span
-            y[0, s:e, :O].addmm_(y[0, s:e, O:], self.B)
+            if self.batched is None:
+                y[0, s:e, :O].addmm_(y[0, s:e, O:], self.B)
+            else:  # [m, rows, out / m] += [m, rows, r] @ [m, r, out / m], views of y
+                m, n = len(self.lora), e - s
+                y[0, s:e, :O].view(n, m, -1).transpose(0, 1).baddbmm_(
+                    y[0, s:e, O:].view(n, m, -1).transpose(0, 1), self.batched)
             return y[..., :O]  # a strided view: copying it out costs a visible share of a gated step
         return y[..., :O] + gate.scatter(gate.select(y[..., O:]) @ self.B, y[..., :O])
 
