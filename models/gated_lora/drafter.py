@@ -40,6 +40,7 @@ from mtpkit.models.decoding.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.gated_lora.head import load_head, read_settings
 from mtpkit.models.gated_lora.inference import to_inference
 from mtpkit.models.gated_lora.model import GatedMTP
+from mtpkit.models.gated_lora.screen import ScreenedHead
 from mtpkit.models.generate import target_probs
 from mtpkit.models.head_folder import recorded_backbone
 from mtpkit.models.trees import MaskTreeDrafting, MaskTreeOptions, check_ranks, mask_blocks
@@ -103,6 +104,8 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
         # seeded once, not per prompt: every decode must draw fresh speculations (drafts repeated
         # across runs are not samples from q, and the acceptance rule would be biased)
         self.gen = torch.Generator().manual_seed(config.seed)
+        # the sampler's bf16 LM-head screen (`sampler_top`): made at the first `begin` on a CPU, kept
+        self.screen = self.screens = None
 
     @property
     def few_shapes(self) -> bool:
@@ -157,6 +160,13 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
         self.spec: list[int] = []
         self.spec_probs: torch.Tensor | None = None
         self.blocks: dict[int, list[int]] = {}
+        # the sampler's top tokens from a bf16 screen of the LM head (exact: `ScreenedHead`) on a CPU
+        head = self.model.lm_head
+        self.screen = None
+        if getattr(target, "cpu_paths", True) and self.use_sampler and ScreenedHead.usable(head):
+            if self.screens is None or self.screens.head is not head:
+                self.screens = ScreenedHead(head)  # kept across prompts: its bf16 copy is made once
+            self.screen = self.screens
         if self.trees is not None:
             self.begin_trees(self.masks)
 
@@ -184,13 +194,22 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
             z = step.hidden[rows]  # [k, d]
             prev, spec = torch.tensor(step.new_tokens[-1], device=z.device), []
             for i in range(self.k):
-                prev = self.model.sampler_logits(prev, z[i]).argmax()
+                prev = self.sampler_top(prev, z[i], 1)[0]
                 spec.append(prev)
             self.spec = torch.stack(spec).tolist()  # one host read for the k speculations
         elif step.choices is not None:  # the verifier read every row's argmax already
             self.spec = [step.choices[r] for r in rows]
         else:
             self.spec = step.logits(rows).argmax(-1).tolist()
+
+    def sampler_top(self, prev: torch.Tensor, z: torch.Tensor, k: int) -> torch.Tensor:
+        """The k best tokens [..., k] of the sampler's logits W MLP([E(prev); z]), best first: on a
+        CPU from the bf16 screen of the LM head (`ScreenedHead`: the float32 ranking read at half the
+        bytes), else from the logits themselves."""
+        if self.screen is not None:
+            return self.screen.topk(self.model.sampler(self.model.embed(prev), z), k)
+        logits = self.model.sampler_logits(prev, z)
+        return logits.argmax(-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1).indices
 
     def _draw(self, step: StepOutput, rows: list[int]) -> tuple[list[int], torch.Tensor]:
         """k speculations drawn from the head under the verifier's transform, and the q [k, V]
@@ -222,7 +241,7 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
         node_token = {0: step.new_tokens[-1]}  # the root of the next step: the bonus token
         for d, (nodes, parents) in enumerate(compiled.levels, start=1):
             prev = torch.tensor([node_token[p] for p in parents], device=z.device)
-            top = self.model.sampler_logits(prev, z[d - 1].expand(len(parents), -1)).topk(width, dim=-1).indices.tolist()
+            top = self.sampler_top(prev, z[d - 1].expand(len(parents), -1), width).tolist()
             where = {par: i for i, par in enumerate(parents)}
             for j in nodes:
                 tokens[j - 1] = node_token[j] = top[where[t.parents[j - 1]]][t.ranks[j - 1]]
