@@ -136,10 +136,15 @@ def backbone_hidden(backbone, input_ids: torch.Tensor) -> torch.Tensor:
 
 def cached_features(cfg: TrainConfig, features: list[dict], backbone, accelerator, log) -> float:
     """Put each sequence's hidden states [T, d] under "hidden" (on the CPU), read from
-    --feature-cache when it matches (`cache_key`), else computed by the main process and written
-    there, then read by every process. Returns the seconds computing (or reading) took."""
+    --feature-cache when it matches (`cache_key`), else computed and written there, then read by
+    every process. Every process computes a share, sequence i on process i % processes (so no
+    process waits at a collective through the whole pass, which --dist-timeout would end); the
+    others' shares reach the main process through files in output_dir (which every process
+    writes to, as with checkpoints) and it alone writes the cache. Returns the seconds computing
+    (or reading) took."""
     path = Path(cfg.feature_cache or Path(cfg.output_dir) / "features.safetensors")
     key = cache_key(cfg, backbone)
+    rank, world = accelerator.process_index, accelerator.num_processes
     t0 = time.perf_counter()
 
     def matches() -> bool:
@@ -151,16 +156,37 @@ def cached_features(cfg: TrainConfig, features: list[dict], backbone, accelerato
         except Exception:  # a truncated or foreign file: computed again
             return False
 
-    if accelerator.is_main_process and not matches():
-        log(f"[features] the frozen backbone over {len(features)} sequences -> {path}")
-        hidden = [backbone_hidden(backbone, f["input_ids"]).cpu() for f in tqdm(features, desc="features",
-                                                                                 unit="seq", leave=False)]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(path) as tmp:
-            save_file({"hidden": torch.cat(hidden).contiguous()}, str(tmp),
-                      metadata={"key": key, "lengths": json.dumps([len(h) for h in hidden])})
-        log(f"[features] {sum(len(h) for h in hidden)} positions in {time.perf_counter() - t0:.1f} s")
-    elif accelerator.is_main_process:
+    def shard(r: int) -> Path:  # process r's share on its way to the main process
+        return Path(cfg.output_dir) / f".features.rank{r}-of-{world}.safetensors"
+
+    # the main process decides for all (another run sharing the cache may write it meanwhile)
+    stale = torch.tensor([float(accelerator.is_main_process and not matches())], device=accelerator.device)
+    if accelerator.reduce(stale, reduction="sum").item() > 0:
+        log(f"[features] the frozen backbone over {len(features)} sequences on {world} process(es) -> {path}")
+        mine = [backbone_hidden(backbone, f["input_ids"]).cpu()
+                for f in tqdm(features[rank::world], desc="features", unit="seq", leave=False,
+                              disable=not accelerator.is_main_process)]
+        if rank > 0 and mine:  # (more processes than sequences: some have none)
+            shard(rank).parent.mkdir(parents=True, exist_ok=True)
+            with replacing(shard(rank)) as tmp:
+                save_file({"hidden": torch.cat(mine).contiguous()}, str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            shares = [mine]  # the main process's own share stays in memory
+            for r in range(1, min(world, len(features))):
+                with safe_open(str(shard(r)), framework="pt") as f:
+                    shares.append(f.get_tensor("hidden").split([len(x["input_ids"]) for x in features[r::world]]))
+                shard(r).unlink()
+            hidden = [shares[i % world][i // world] for i in range(len(features))]  # back in data order
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with replacing(path) as tmp:
+                save_file({"hidden": torch.cat(hidden).contiguous()}, str(tmp),
+                          metadata={"key": key, "lengths": json.dumps([len(h) for h in hidden])})
+            del shares, hidden
+            log(f"[features] {sum(len(f['input_ids']) for f in features)} positions in "
+                f"{time.perf_counter() - t0:.1f} s")
+        del mine
+    else:
         log(f"[features] read from {path} (this backbone, data and --max-length)")
     accelerator.wait_for_everyone()
     with safe_open(str(path), framework="pt") as f:

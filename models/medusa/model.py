@@ -207,11 +207,15 @@ class MedusaHeads(nn.Module):
         out, total, weights = {}, 0.0, 0.0
         for i in range(self.cfg.heads):
             rows = valid[:, i].nonzero(as_tuple=True)[0]
-            if len(rows) == 0:
-                out[f"loss_h{i + 1}"] = out[f"acc_h{i + 1}"] = torch.tensor(float("nan"))
-                continue
             z = self.hidden(i, hidden[rows], future[rows, : i + 1] if self.hydra else None)
             log_q = self.logits(i, z).float().log_softmax(-1)  # [r, V]
+            if len(rows) == 0:
+                # no target for head i here: its weights still enter the loss (times zero), so
+                # under DDP every process's backward reduces the same parameters (a head left
+                # out on one process alone mismatches the processes' gradient all-reduces)
+                total = total + 0.0 * log_q.sum()
+                out[f"loss_h{i + 1}"] = out[f"acc_h{i + 1}"] = torch.tensor(float("nan"))
+                continue
             if teacher_hidden is None:
                 loss = F.nll_loss(log_q, future[rows, i + 1])
             else:
@@ -222,7 +226,7 @@ class MedusaHeads(nn.Module):
             total, weights = total + w * loss, weights + w
             out[f"loss_h{i + 1}"] = loss.detach()
             out[f"acc_h{i + 1}"] = (log_q.argmax(-1) == future[rows, i + 1]).float().mean().detach()
-        out["loss"] = total / weights if weights else hidden.new_zeros((), requires_grad=True)
+        out["loss"] = total / weights if weights else total
         return out
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
