@@ -58,6 +58,13 @@ def verdict_lines(results: dict) -> list[str]:
         return []
     best = max(methods, key=lambda spec: methods[spec]["speedup_vs_ar"])
     lines = [f"Fastest here: {best} at {methods[best]['speedup_vs_ar']:.2f}x AR's tokens/s."]
+    learned = [spec for spec in methods if spec.partition(":")[0] in METHODS and METHODS[spec.partition(":")[0]].head_files]
+    if learned:
+        top = max(learned, key=lambda spec: methods[spec]["speedup_vs_ar"])
+        speedup = methods[top]["speedup_vs_ar"]
+        lines.append(f"The fastest trained head, {top}, runs at {speedup:.2f}x AR"
+                     + (": at or above AR here." if speedup >= 1 else
+                        ": no trained head reaches AR's tokens/s in this run (see its line below for why)."))
     for spec, r in methods.items():
         name = spec.partition(":")[0]
         what = METHODS[name].summary if name in METHODS else name
@@ -73,9 +80,10 @@ def verdict_lines(results: dict) -> list[str]:
 
 
 def write_markdown(results: dict, path: Path) -> str:
-    """The bench's results as markdown: the tables, then what each method is and which one is
-    fastest here and why (`verdict_lines`)."""
-    text = markdown_table(results) + "\n" + "\n".join(verdict_lines(results)) + "\n"
+    """The bench's results as markdown: what each method is and which one is fastest here and why
+    (`verdict_lines`), then the tables."""
+    verdict = verdict_lines(results)
+    text = ("\n".join(verdict) + "\n\n" if verdict else "") + markdown_table(results)
     write_atomic(path, text)
     return text
 

@@ -118,10 +118,10 @@ def test_probe_frontier_and_bench_end_to_end(tmp_path):
 
 
 def test_tree_options_are_documented_for_every_tree_drafter():
-    """The options the tree drafters (gated LoRA, the probe, MTPC) inherit from TreeOptions keep
-    their docstrings in --help."""
+    """The options the tree drafters (gated LoRA, the probe, MTPC, Medusa and Hydra) inherit from
+    TreeOptions keep their docstrings in --help."""
     from mtpkit.eval.bench import methods_help
 
     text = methods_help()
-    assert text.count("schedule='static': static | ladder | hyst") == 3
-    assert text.count("log='': append one JSON line per verifier step") == 3
+    assert text.count("schedule='static': static | ladder | hyst") == 5
+    assert text.count("log='': append one JSON line per verifier step") == 5
