@@ -96,7 +96,7 @@ def markdown(report: dict) -> str:
         if "oracle" in t:
             o, oa = t["oracle"], t["oracle_ar"]
             lines += ["", f"The future known (an upper bound of every schedule over this task's trees, reached with "
-                          f"trees {o['trees']} on {o['block']}-mask blocks): "
+                          f"trees {o['trees']}" + (f" on {o['block']}-mask blocks" if o["block"] else "") + "): "
                           f"{o['sim_tokens_per_s']:.1f} tok/s, {o['sim_tokens_per_s'] / static:.2f}x static "
                           f"(tau {o['sim_tau']:.3f}); with plain AR steps too: {oa['sim_tokens_per_s']:.1f} tok/s, "
                           f"{oa['sim_tokens_per_s'] / static:.2f}x static."]

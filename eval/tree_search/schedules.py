@@ -75,8 +75,13 @@ def oracle(cals: list[Calibration], trees: list[Topology], pool: list[int], cost
     draft and no block: the next step drafts nothing). A schedule's deepest tree sets its block,
     so the bound is the best over blocks D of the pool's trees at most D deep on D-mask blocks.
     An upper bound of every schedule's simulated tokens/s, not a policy (it reads the future).
-    None for MTPC and under sampling (greedy mask drafters only)."""
-    if any(cal.cycle != "block" or cal.accept is not None for cal in cals):
+    Medusa and Hydra heads (cycle "heads": every step's deepest accepted node drafts the next
+    tree, no blocks): `heads_oracle`. None for MTPC and under sampling."""
+    if any(cal.accept is not None for cal in cals):
+        return None
+    if all(cal.cycle == "heads" for cal in cals):
+        return heads_oracle(cals, trees, pool, costs, ar_steps)
+    if any(cal.cycle != "block" for cal in cals):
         return None
     results = []
     for block in sorted({trees[i].depth for i in pool}):
@@ -104,6 +109,27 @@ def oracle(cals: list[Calibration], trees: list[Topology], pool: list[int], cost
         results.append({"trees": used, "block": block, "ar_steps": ar_steps, "sim_tau": round(tokens / steps, 4),
                         "sim_tokens_per_s": round(tokens / seconds, 2)})
     return max(results, key=lambda r: r["sim_tokens_per_s"])
+
+
+def heads_oracle(cals: list[Calibration], trees: list[Topology], pool: list[int], costs: dict,
+                 ar_steps: bool = False) -> dict:
+    """`oracle` for Medusa and Hydra heads: each step drafts one pool tree (with `ar_steps` it may
+    also be a plain AR step: no nodes, one token), chosen knowing the accept length of every tree
+    at every anchor; dynamic programming over anchors on the simulator's steps and `costs`."""
+    options = [(trees[i], costs[f"{trees[i].name}@0"] + costs.get(f"draft:{trees[i].name}@0", 0.0)) for i in pool]
+    seconds, steps, tokens = len(cals) * costs["prefill"], len(cals), 0
+    for cal in cals:
+        n, ranks = cal.n, cal.ranks.tolist()
+        best = [(0.0, 0)] * n  # best[j]: (seconds, steps) to finish from anchor j (j + 1 tokens generated)
+        for j in range(n - 2, -1, -1):
+            moves = [(c, accept_length(tree, ranks[j]) + 1) for tree, c in options]
+            moves += [(costs["ar"], 1)] if ar_steps else []
+            best[j] = min((c + best[min(j + new, n - 1)][0], 1 + best[min(j + new, n - 1)][1]) for c, new in moves)
+        seconds += best[0][0]
+        steps += best[0][1]
+        tokens += n
+    return {"trees": list(pool), "block": 0, "ar_steps": ar_steps, "sim_tau": round(tokens / steps, 4),
+            "sim_tokens_per_s": round(tokens / seconds, 2)}
 
 
 def swept_signals(cals: list[Calibration], signals: tuple[str, ...], ema_alphas: tuple[float, ...]) -> list[str]:
