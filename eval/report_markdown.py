@@ -62,7 +62,9 @@ def verdict_lines(results: dict) -> list[str]:
     if learned:
         top = max(learned, key=lambda spec: methods[spec]["speedup_vs_ar"])
         speedup = methods[top]["speedup_vs_ar"]
+        spread = methods[top].get("speedup_vs_ar_spread")
         lines.append(f"The fastest trained head, {top}, runs at {speedup:.2f}x AR"
+                     + (f" ({spread[0]:.2f}-{spread[1]:.2f} over the rounds)" if spread and results.get("rounds", 1) > 1 else "")
                      + (": at or above AR here." if speedup >= 1 else
                         ": no trained head reaches AR's tokens/s in this run (see its line below for why)."))
     for spec, r in methods.items():
@@ -80,10 +82,18 @@ def verdict_lines(results: dict) -> list[str]:
 
 
 def write_markdown(results: dict, path: Path) -> str:
-    """The bench's results as markdown: what each method is and which one is fastest here and why
-    (`verdict_lines`), then the tables."""
+    """The bench's results as markdown: the timing warnings, what each method is and which one is
+    fastest here and why (`verdict_lines`), then the tables."""
+    lines = markdown_table(results).split("\n")
+    warned = 0  # the timing warnings stay first: a verdict on untrusted timings must come after them
+    while warned < len(lines) and (lines[warned].startswith(("WARNING: ", f"(speed-ups marked {MARK}"))):
+        warned += 1
     verdict = verdict_lines(results)
-    text = ("\n".join(verdict) + "\n\n" if verdict else "") + markdown_table(results)
+    head = lines[:warned] + ([""] if warned else [])
+    rest = lines[warned:]
+    while rest and not rest[0]:
+        rest = rest[1:]
+    text = "\n".join(head + verdict + ([""] if verdict else []) + rest)
     write_atomic(path, text)
     return text
 

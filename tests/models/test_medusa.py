@@ -46,7 +46,8 @@ def test_an_untrained_prefix_layer_is_the_identity_and_causal(tiny):
     cache, pieces = DynamicCache(), []
     for a, b in ((0, 3), (3, 4), (4, 6)):
         pieces.append(heads.prefix(h[:, a:b], torch.arange(a, b)[None], past_key_values=cache))
-    torch.testing.assert_close(torch.cat(pieces, 1), whole, atol=1e-5, rtol=1e-4)
+    # pieces and the whole run other kernels: rounding differs by ~1e-5, a wrong mask by ~1e-1
+    torch.testing.assert_close(torch.cat(pieces, 1), whole, atol=1e-4, rtol=1e-3)
 
 
 @torch.no_grad()
