@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from decoding_checks import decode_equal_to_ar
 from chisquare import chi2_pvalue
 from mtpkit.eval.tree_search.calibration import calibrate_heads
 from mtpkit.eval.tree_search.simulate import path_value, rollout
@@ -256,13 +257,7 @@ def test_a_ladder_decodes_as_ar_and_switches_as_simulated(small, fitted, ar_outp
     drafter = MedusaDrafter(config, model=fitted[arch])
     target = Target(small, step="static" if path == "static" else "eager", max_len=128)
     target.cpu_paths = path == "cpu"
-    calls, accepted = 0, [0, 0]
-    for prompt, want in zip(PROMPTS, ar_outputs):
-        got = decode(target, drafter, prompt, 20)
-        assert got.tokens == want
-        calls += got.target_calls
-        for d, n in enumerate(got.accept_counts[:2]):
-            accepted[d] += n
+    calls, accepted = decode_equal_to_ar(target, drafter, PROMPTS, ar_outputs)
     assert accepted[0] > 20 and accepted[1] > 5, accepted
     used = [json.loads(line)["tree"] for line in log.read_text().splitlines()]
     assert len(set(used) - {None}) >= 2, f"the ladder never switched: nothing tested ({used})"

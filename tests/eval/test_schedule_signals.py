@@ -23,6 +23,7 @@ from mtpkit.models.decoding.host_reads import counting_reads
 from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
 from mtpkit.models.schedules import Schedule, entropy, path_signal
 from mtpkit.models.trees import Topology
+from decoding_checks import decode_equal_to_ar
 from tests.eval.test_gated_sampling import close_head, small  # noqa: F401
 from tests.eval.test_gated_trees import BRANCHY, PROMPTS, _bank
 
@@ -146,13 +147,7 @@ def test_each_signal_decodes_as_ar_and_switches_as_simulated(small, tmp_path, si
                                                     sampler=False, log=str(log)), model=head)
     target = Target(*drafter.adapt(None, {}))
     target.cpu_paths = not device_path
-    calls, accepted = 0, [0, 0]
-    for prompt, want in zip(PROMPTS, wants):
-        got = decode(target, drafter, prompt, 20)
-        assert got.tokens == want
-        calls += got.target_calls
-        for d, count in enumerate(got.accept_counts[:2]):
-            accepted[d] += count
+    calls, accepted = decode_equal_to_ar(target, drafter, PROMPTS, wants)
     assert accepted[0] > 10 and accepted[1] > 3, accepted
     used = [json.loads(line)["tree"] for line in log.read_text().splitlines()]
     assert {0, 1} <= set(used), "the schedule never switched: nothing tested"
