@@ -34,9 +34,11 @@ DEMO := $(RUNS)/demo
 # the demo's backbone (tiny-llama-random runs the whole pipeline in a minute, to check the wiring)
 DEMO_BACKBONE ?= smollm2-135m-instruct
 DEMO_TREE := [[0],[1]]
+# the demo's training data, shared by `demo` and `gated-demo` (resumable: ids already there are skipped)
+DEMO_DISTIL = $(PY) data/distill.py --backbone $(DEMO_BACKBONE) --data builtin:train --limit 64 \
+	--max-new-tokens 48 --batch-size 16 --out $(DEMO)/distilled.jsonl
 demo: $(STAMP)
-	$(PY) data/distill.py --backbone $(DEMO_BACKBONE) --data builtin:train --limit 64 \
-		--max-new-tokens 48 --batch-size 16 --out $(DEMO)/distilled.jsonl --show 2
+	$(DEMO_DISTIL) --show 2
 	$(PY) train/medusa.py --config configs/medusa/smollm2-135m_hydra.yaml --backbone $(DEMO_BACKBONE) \
 		--data $(DEMO)/distilled.jsonl --output-dir $(DEMO)/hydra --feature-cache $(DEMO)/features.safetensors \
 		--max-steps 150 --save-every 150 --eval-every 0 --resume auto
@@ -51,8 +53,7 @@ demo: $(STAMP)
 # The gated-LoRA head that the README's runtime table measures step costs with (a head's step,
 # not its tau): on the demo's distilled prompts, k = 2, 80 steps, exported to runs/demo/export.
 gated-demo: $(STAMP)
-	$(PY) data/distill.py --backbone $(DEMO_BACKBONE) --data builtin:train --limit 64 \
-		--max-new-tokens 48 --batch-size 16 --out $(DEMO)/distilled.jsonl
+	$(DEMO_DISTIL)
 	$(PY) train/gated_lora.py --config configs/gated_lora/smollm2-135m_k4.yaml --backbone $(DEMO_BACKBONE) --data $(DEMO)/distilled.jsonl \
 		--output-dir $(DEMO)/gated_lora --k 2 --max-steps 80 --grad-accum 1 --lr 1e-3 --max-length 160 \
 		--save-every 80 --eval-every 80 --eval-prompts 2 --resume auto

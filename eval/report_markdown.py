@@ -84,24 +84,16 @@ def verdict_lines(results: dict) -> list[str]:
 def write_markdown(results: dict, path: Path) -> str:
     """The bench's results as markdown: the timing warnings, what each method is and which one is
     fastest here and why (`verdict_lines`), then the tables."""
-    lines = markdown_table(results).split("\n")
-    warned = 0  # the timing warnings stay first: a verdict on untrusted timings must come after them
-    while warned < len(lines) and (lines[warned].startswith(("WARNING: ", f"(speed-ups marked {MARK}"))):
-        warned += 1
-    verdict = verdict_lines(results)
-    head = lines[:warned] + ([""] if warned else [])
-    rest = lines[warned:]
-    while rest and not rest[0]:
-        rest = rest[1:]
-    text = "\n".join(head + verdict + ([""] if verdict else []) + rest)
+    text = markdown_table(results, lead=verdict_lines(results))
     write_atomic(path, text)
     return text
 
 
-def markdown_table(results: dict, per_cycle: bool = True) -> str:
+def markdown_table(results: dict, per_cycle: bool = True, lead: list[str] = ()) -> str:
     """The bench's tables: totals per method, the per-cycle (MTPC paper) metrics unless
-    `per_cycle` is false, and tau / speed-up per category. It reads only summary keys, so it also
-    formats the summaries that eval/tables.py keeps in docs/results/*.json."""
+    `per_cycle` is false, and tau / speed-up per category, after the timing warnings and the
+    `lead` lines (a verdict on the timings comes after the warnings about them). It reads only
+    summary keys, so it also formats the summaries that eval/tables.py keeps in docs/results/*.json."""
     stock = any("speedup_vs_stock_ar" in r for r in results["methods"].values())
     rounds = results.get("rounds", 1)
     spread = rounds > 1
@@ -110,6 +102,8 @@ def markdown_table(results: dict, per_cycle: bool = True) -> str:
     if warnings:
         lines += [f"WARNING: {w}" for w in warnings]
         lines += [f"(speed-ups marked {MARK} are not to be trusted)", ""]
+    if lead:
+        lines += list(lead) + [""]
     if "rounds" in results:
         lines += [f"Timings: median over {rounds} round(s)" + (", spread = min-max over the rounds" if spread else
                   " (one round: the spread is unknown; --rounds 3 or more measures it)"), ""]
