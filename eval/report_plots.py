@@ -83,6 +83,25 @@ def write_training_plot(metrics_file: Path, path: Path) -> None:
     plt.close(fig)
 
 
+def write_curve_plot(table: dict, path: Path) -> None:
+    """Simulated tau against seconds from the start of training (features included), one line per
+    run of an eval/tables.py curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, run in table["runs"].items():
+        ax.plot([p["seconds"] for p in run["points"]], [p["sim_tau"] for p in run["points"]], marker="o", label=label)
+    ax.set_xlabel("seconds from the start (features + training, evaluation excluded)")
+    ax.set_ylabel("simulated tau (tokens per target call)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_tradeoff_plot(results: dict, path: Path, title: str = "") -> None:
     """The MTPC paper's Figure 1: tokens per cycle against seconds per cycle for every decoder
     method, with dotted iso-throughput lines (tokens/s), so the expressiveness/latency trade-off

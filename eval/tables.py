@@ -11,6 +11,12 @@ mu_acc, and tau / speed-up per category), the rounds, machine load and timing wa
 command that produced it and the date, in docs/results/NAME.json. Per-prompt token ids, outputs
 and prompt ids are left out (some prompt sets may not be redistributed).
 
+`curve NAME LABEL=OUTPUT_DIR ... --command CMD` keeps, from training runs' metrics.jsonl (train/medusa.py,
+train/gated_lora.py), each run's `sim_tau` rows against its training seconds (`train_seconds`,
+evaluation excluded; plus `features_seconds`, the frozen backbone's pass that Medusa and Hydra heads
+train on, counted from the start) in docs/results/NAME.json, rendered as one table of every run's
+points; `--plot FILE` also draws the curves (a .png).
+
 `render` replaces the inside of every block
 
     <!-- table:NAME -->
@@ -34,6 +40,7 @@ import sys
 from pathlib import Path
 
 from mtpkit.eval.report import markdown_table, timing_warnings
+from mtpkit.eval.report_plots import write_curve_plot
 from mtpkit.models.atomic_write import write_atomic
 from mtpkit.models.process import run_script
 
@@ -80,8 +87,42 @@ def collect(name: str, results_path: Path, command: str, root: Path = ROOT, date
     return path
 
 
+def curve(name: str, runs: list[tuple[str, Path]], command: str, root: Path = ROOT, date: str | None = None) -> Path:
+    """Each run's sim_tau rows (step, seconds from the start: features_seconds + train_seconds,
+    sim_tau) from OUTPUT_DIR/metrics.jsonl -> docs/results/NAME.json."""
+    out = {"name": name, "kind": "curve", "command": command, "date": date or datetime.date.today().isoformat(),
+           "runs": {}}
+    for label, folder in runs:
+        rows = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        features = next((r["features_seconds"] for r in rows if "features_seconds" in r), 0.0)
+        points = [{"step": r["step"], "train_seconds": round(r["train_seconds"], 1),
+                   "seconds": round(features + r["train_seconds"], 1), "sim_tau": round(r["sim_tau"], 4)}
+                  for r in rows if "sim_tau" in r]
+        if not points or any("train_seconds" not in r for r in rows if "sim_tau" in r):
+            raise TableError(f"{folder}/metrics.jsonl: no sim_tau row with train_seconds (a run of a trainer "
+                             "that logs them, with --eval-every)")
+        out["runs"][label] = {"output_dir": str(folder), "features_seconds": round(features, 1), "points": points}
+    path = root / RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(out, indent=1) + "\n")
+    return path
+
+
+def curve_text(table: dict) -> str:
+    """A curve's block: every run's points, then the command."""
+    lines = ["| run | step | seconds (features + training) | sim_tau |", "|---|---|---|---|"]
+    for label, run in table["runs"].items():
+        lines += [f"| {label} | {p['step']} | {p['seconds']:.0f} | {p['sim_tau']:.3f} |" for p in run["points"]]
+    pairs = " ".join(f"{label}={run['output_dir']}" for label, run in table["runs"].items())
+    return ("\n".join(lines) + f"\n\nMeasured on {table['date']} with:\n\n```bash\n{table['command']}\n```\n\n"
+            + f"Rebuild this table from those runs:\n\n```bash\npython eval/tables.py curve {table['name']} {pairs} "
+            + f"--command {shlex.quote(table['command'])}\npython eval/tables.py render\n```\n")
+
+
 def table_text(table: dict) -> str:
     """The inside of a table block: the tables, then how to measure them again."""
+    if table.get("kind") == "curve":
+        return curve_text(table)
     sampling = table["config"].get("temperature", 0) > 0
     collect_cmd = (f"python eval/tables.py collect {table['name']} {shlex.quote(table['results'])} "
                    f"--command {shlex.quote(table['command'])}")
@@ -141,6 +182,11 @@ def main(argv=None) -> int:
     c.add_argument("name", help="table name, as in <!-- table:NAME -->")
     c.add_argument("results", type=Path, help="results.json written by eval/bench.py")
     c.add_argument("--command", required=True, help="the exact eval/bench.py command that wrote it")
+    v = sub.add_parser("curve", help="keep training runs' sim_tau against training seconds as docs/results/NAME.json")
+    v.add_argument("name", help="table name, as in <!-- table:NAME -->")
+    v.add_argument("runs", nargs="+", metavar="LABEL=OUTPUT_DIR", help="a training run's label and output folder")
+    v.add_argument("--command", required=True, help="the commands that trained the runs")
+    v.add_argument("--plot", type=Path, help="also draw the curves into this .png")
     r = sub.add_parser("render", help="rewrite every table block of README.md and docs/*.md")
     r.add_argument("--check", action="store_true", help="write nothing; exit 1 if any block is stale")
     args = p.parse_args(argv)
@@ -149,6 +195,14 @@ def main(argv=None) -> int:
             if not re.fullmatch(r"[\w.-]+", args.name):
                 raise TableError(f"table name {args.name!r}: use letters, digits, '_', '-' or '.'")
             print(f"[tables] wrote {collect(args.name, args.results, args.command, args.root)}")
+            return 0
+        if args.cmd == "curve":
+            if not re.fullmatch(r"[\w.-]+", args.name) or not all("=" in r for r in args.runs):
+                raise TableError(f"table name {args.name!r} (letters, digits, '_', '-' or '.') and runs as LABEL=DIR")
+            path = curve(args.name, [tuple(r.split("=", 1)) for r in args.runs], args.command, args.root)
+            if args.plot:
+                write_curve_plot(json.loads(path.read_text()), args.plot)
+            print(f"[tables] wrote {path}" + (f" and {args.plot}" if args.plot else ""))
             return 0
         stale = render(args.root, check=args.check)
     except (TableError, FileNotFoundError, KeyError, json.JSONDecodeError) as e:

@@ -308,6 +308,21 @@ class MetricsWriter:
             self.accelerator.log(numbers, step=row["step"])
 
 
+class TrainClock:
+    """Seconds spent training, evaluation excluded (`exclude`), carried across a resume: start it
+    from the checkpoint's `train_seconds` and save `seconds()` with the next checkpoint. What the
+    `train_seconds` of a trainer's `sim_tau` rows counts (a curve of tau against training time)."""
+
+    def __init__(self, seconds: float = 0.0):
+        self.t0 = time.perf_counter() - seconds
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def exclude(self, seconds: float) -> None:
+        self.t0 += seconds
+
+
 class Window:
     """What the micro-steps of one log interval add up to, over every process.
 

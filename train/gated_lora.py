@@ -165,6 +165,7 @@ def main(argv=None) -> dict:
     model, optimizer, scheduler, state = engine.prepare(accelerator, cfg, mtp, optimizer)  # mtp: unwrapped
     backward_step = engine.BackwardStep(accelerator, cfg, trainable, optimizer, scheduler)
     step, micro, tokens_seen = state["step"], state["micro_step"], state.get("tokens_seen", 0)
+    clock = engine.TrainClock(state.get("train_seconds", 0.0))
 
     metrics, window = engine.MetricsWriter(accelerator, cfg), engine.Window(accelerator)
     bar = tqdm(total=cfg.max_steps, initial=step, desc="gated-lora", unit="step",
@@ -207,14 +208,17 @@ def main(argv=None) -> dict:
                 t0 = time.perf_counter()
                 with accelerator.autocast():  # as in training (a half-precision backbone needs it)
                     result["sim_tau"] = simulated_tau(mtp, prompts, cfg, eos)
-                metrics.write({"step": step, "sim_tau": result["sim_tau"], "eval_seconds": time.perf_counter() - t0})
+                metrics.write({"step": step, "sim_tau": result["sim_tau"], "train_seconds": t0 - clock.t0,
+                               "eval_seconds": time.perf_counter() - t0})
                 log(f"[eval] step {step}: simulated tau {result['sim_tau']:.3f} ({cfg.eval_decoding}, "
                     f"{len(prompts)} prompts)")
                 window.exclude(time.perf_counter() - t0)  # evaluation time is not training throughput
+                clock.exclude(time.perf_counter() - t0)
             accelerator.wait_for_everyone()  # the others wait here
         if step % cfg.save_every == 0 or step == cfg.max_steps:
             save_checkpoint(accelerator, model, optimizer, cfg, step,
-                            {"micro_step": micro, "tokens_seen": tokens_seen},
+                            {"micro_step": micro, "tokens_seen": tokens_seen,
+                             "train_seconds": clock.seconds()},
                             functools.partial(METHODS["gated_lora"].save_head, mtp, base_model=cfg.backbone))
     bar.close()
     if accelerator.is_main_process and metrics.path.is_file():

@@ -240,6 +240,7 @@ def main(argv=None) -> dict:
     model, optimizer, scheduler, state = engine.prepare(accelerator, cfg, heads, optimizer)  # heads: unwrapped
     backward_step = engine.BackwardStep(accelerator, cfg, trainable, optimizer, scheduler)
     step, micro, tokens_seen = state["step"], state["micro_step"], state.get("tokens_seen", 0)
+    clock = engine.TrainClock(state.get("train_seconds", 0.0))
 
     metrics, window = engine.MetricsWriter(accelerator, cfg), engine.Window(accelerator)
     if feature_seconds is not None:
@@ -279,13 +280,16 @@ def main(argv=None) -> dict:
                 t0 = time.perf_counter()
                 with accelerator.autocast():  # as in training (a half-precision backbone needs it)
                     result["sim_tau"] = simulated_tau(heads, backbone, prompts, cfg, eos)
-                metrics.write({"step": step, "sim_tau": result["sim_tau"], "eval_seconds": time.perf_counter() - t0})
+                metrics.write({"step": step, "sim_tau": result["sim_tau"], "train_seconds": t0 - clock.t0,
+                               "eval_seconds": time.perf_counter() - t0})
                 log(f"[eval] step {step}: simulated tau {result['sim_tau']:.3f} (tree {cfg.eval_tree or f'chain{K}'}, "
                     f"{len(prompts)} prompts)")
                 window.exclude(time.perf_counter() - t0)  # evaluation time is not training throughput
+                clock.exclude(time.perf_counter() - t0)
             accelerator.wait_for_everyone()
         if step % cfg.save_every == 0 or step == cfg.max_steps:
-            save_checkpoint(accelerator, model, optimizer, cfg, step, {"micro_step": micro, "tokens_seen": tokens_seen},
+            save_checkpoint(accelerator, model, optimizer, cfg, step, {"micro_step": micro, "tokens_seen": tokens_seen,
+                             "train_seconds": clock.seconds()},
                             functools.partial(METHODS[cfg.model.arch].save_head, heads, base_model=cfg.backbone))
     bar.close()
     if accelerator.is_main_process and metrics.path.is_file():

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,26 @@ def test_export_round_trip(data, tmp_path):
         assert torch.equal(trained.lm_head(h1), loaded.lm_head(h2))
         assert torch.equal(trained.sampler_logits(batch["prev_ids"], h1), loaded.sampler_logits(batch["prev_ids"], h2))
 
+
+
+def test_sim_tau_rows_carry_training_seconds(data, tmp_path, monkeypatch):
+    """As train/medusa.py's: each sim_tau row's train_seconds leaves evaluation (slowed to 1 s
+    here) out and goes on across a resume."""
+    fast = gated_lora.simulated_tau
+
+    def slow(*args):
+        time.sleep(1.0)
+        return fast(*args)
+
+    monkeypatch.setattr(gated_lora, "simulated_tau", slow)
+    common = [*TINY, "--data", str(data), "--eval-every", "1", "--save-every", "2", "--output-dir", str(tmp_path / "run")]
+    gated_lora.main([*common, "--max-steps", "2"])
+    gated_lora.main([*common, "--max-steps", "4", "--resume", "auto"])
+    rows = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "sim_tau" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    seconds = [r["train_seconds"] for r in rows]
+    assert 0 < seconds[0] and all(a < b for a, b in zip(seconds, seconds[1:])), seconds
+    assert seconds[-1] - seconds[0] < 1.0, seconds
 
 def test_broken_records_are_skipped_and_counted(data, tmp_path, capsys):
     broken = tmp_path / "broken.jsonl"

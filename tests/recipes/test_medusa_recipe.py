@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,27 @@ def test_resume_logs_the_same_losses(data, tmp_path):
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
 
+
+
+def test_sim_tau_rows_carry_training_seconds(data, tmp_path, monkeypatch):
+    """Each sim_tau row's train_seconds is the training time so far: evaluation (slowed to 1 s
+    here) left out, and carried on by a resumed run."""
+    fast = medusa.simulated_tau
+
+    def slow(*args):
+        time.sleep(1.0)
+        return fast(*args)
+
+    monkeypatch.setattr(medusa, "simulated_tau", slow)
+    common = [*TINY, "--data", str(data), "--feature-cache", str(tmp_path / "f.safetensors"), "--eval-every", "1",
+              "--save-every", "2", "--output-dir", str(tmp_path / "run")]
+    medusa.main([*common, "--max-steps", "2"])
+    medusa.main([*common, "--max-steps", "4", "--resume", "auto"])
+    rows = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "sim_tau" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    seconds = [r["train_seconds"] for r in rows]
+    assert 0 < seconds[0] and all(a < b for a, b in zip(seconds, seconds[1:])), seconds
+    assert seconds[-1] - seconds[0] < 1.0, seconds  # three evaluations of 1 s each in between: not counted
 
 RANKS = """
 import json, sys
