@@ -1,7 +1,8 @@
 """The kernel of every packed product, per row count, measured on this machine.
 
 Which kernel multiplies m rows fastest (`mtpkit.models.packed_linear.KERNELS`: torch's own
-unfused layers, `F.linear` on the fused siblings' stacked weight, oneDNN's prepacked product)
+unfused layers, `F.linear` on the fused siblings' stacked weight, oneDNN's prepacked product, the
+same over rows padded to the 4 it was packed for)
 depends on the CPU, the weight's shape and m; the decoder calls the target with 1 row (AR) and
 2-64 rows (drafts, trees, prefill chunks). `tune` times whole decoding steps (body forward on a
 KV cache, then the LM head on every new row) on the model itself, for every row count in `ROWS`
@@ -43,7 +44,7 @@ from torch import nn
 
 from mtpkit.models.backbone import cache_dir
 from mtpkit.models.atomic_write import write_atomic
-from mtpkit.models.packed_linear import KERNELS, PackedGroup, PackedLinear, cpu_paths, pack_linears
+from mtpkit.models.packed_linear import KERNELS, PACK_ROWS, PackedGroup, PackedLinear, cpu_paths, pack_linears
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64)  # row counts timed (steps, trees, prefill)
 REPS = 7  # timed rounds per (row count, kernel pair); the first is warm-up
@@ -52,7 +53,7 @@ STOCK_KEEP = 0.05  # 1 row keeps torch's own layers while they are within 5% of 
 CACHE_LEN = 200  # tokens in the KV cache the body forwards run on
 MIN_SAMPLE_S = 0.03  # a timing sample averages enough steps to last this long (tiny models)
 CLASSES = ("body", "head")
-FORMAT = 4  # version of the cached JSON (older plans are measured again)
+FORMAT = 5  # version of the cached JSON (older plans are measured again)
 
 
 def kernel_cache() -> Path:
@@ -132,8 +133,13 @@ def expand(choice: dict[int, str], rows: list[int]) -> tuple[str, ...]:
 def combos(classes: dict[str, list]) -> list[tuple[str, str]]:
     """The (body kernel, head kernel) pairs worth timing. An LM head is a group of one, where
     `linear` and `stock` are the same product, so it is timed as `stock` and `onednn` only."""
-    heads = ("stock", "onednn") if classes.get("head") else ("stock",)
+    heads = ("stock", "onednn", "padded") if classes.get("head") else ("stock",)
     return [(b, h) for b in KERNELS for h in heads]
+
+
+def timed_at(pair: tuple[str, str], m: int) -> bool:
+    """Whether a pair is timed at m rows: `padded` differs from `onednn` below `PACK_ROWS` rows only."""
+    return m < PACK_ROWS or "padded" not in pair
 
 
 def combo_name(body: str, head: str) -> str:
@@ -203,7 +209,7 @@ def measure(model: nn.Module, rows=ROWS, reps: int = REPS, cache_len: int = CACH
     body(input_ids=torch.randint(0, vocab, (1, cache_len), generator=gen).to(device), past_key_values=cache.hf,
          use_cache=True)
     cache.compact(cache_len, [])
-    times = {combo_name(*pair): {m: [] for m in rows} for pair in pairs}
+    times = {combo_name(*pair): {m: [] for m in rows if timed_at(pair, m)} for pair in pairs}
 
     def step(x, b, h) -> float:
         for g in classes["body"]:
@@ -230,8 +236,9 @@ def measure(model: nn.Module, rows=ROWS, reps: int = REPS, cache_len: int = CACH
                 print(f"\r[kernels] timing round {r + 1}/{reps}", end="", file=sys.stderr, flush=True)
             for i, m in enumerate(rows):
                 x = torch.randint(0, vocab, (1, m), generator=gen).to(device)
-                shift = (r + i) % len(pairs)  # every pair takes every place in the order
-                for b, h in pairs[shift:] + pairs[:shift]:
+                here = [pair for pair in pairs if timed_at(pair, m)]
+                shift = (r + i) % len(here)  # every pair takes every place in the order
+                for b, h in here[shift:] + here[:shift]:
                     # untimed first: a pair's weights (the stacked or packed copies) are then as warm
                     # in the caches as in decoding, whichever pair ran before it
                     step(x, b, h)
@@ -323,6 +330,7 @@ def plan_table(record: dict) -> str:
     lines = ["| body / head kernels | " + " | ".join(f"{m} rows" for m in rows) + " |", "|---|" + "---|" * len(rows)]
     for name, by_m in record["median_ms"].items():
         chosen = [combo_name(plans["body"][m - 1], plans["head"][m - 1]) == name for m in rows]
-        lines.append(f"| {name} | " + " | ".join(f"{by_m[m]:.2f}" + ("*" if c else "") for m, c in zip(rows, chosen))
+        lines.append(f"| {name} | " + " | ".join((f"{by_m[m]:.2f}" if m in by_m else "-") + ("*" if c else "")
+                                                 for m, c in zip(rows, chosen))
                      + " |")
     return "\n".join(lines)

@@ -10,7 +10,10 @@ the model itself for every row count the decoder uses and gives every group a pl
 Kernels (`KERNELS`): `stock` is each member's own layer, as torch computes it unpacked (no
 fusion: on one row this can beat a fused product, whose outputs are strided views); `linear` is
 `F.linear` on the (stacked) weight; `onednn` is oneDNN's `_linear_pointwise` on the weight packed
-by `pack_rows`. All run fp32 and bf16 (which is faster in bf16 depends on the CPU's bf16
+by `pack_rows`; `padded` is the same product over the rows padded with zero rows to `PACK_ROWS`
+(fewer rows only): the kernel oneDNN packed the weight for, which on some CPUs multiplies 4 rows
+faster than its own 1- or 2-row kernels multiply 1 or 2, and whose rows are those of the 4-row
+product bit for bit. All run fp32 and bf16 (which is faster in bf16 depends on the CPU's bf16
 support: `eval/bench_forward.py --dtype bfloat16` measures it). `pack_linears` leaves weights
 below `MIN_PACK` elements alone (per-call overhead dominates both kernels there).
 
@@ -56,7 +59,8 @@ import torch.nn.functional as F
 from torch import nn
 
 LINEARS = ("stock", "onednn", "auto")
-KERNELS = ("stock", "linear", "onednn")  # what a plan chooses from, per row count
+KERNELS = ("stock", "linear", "onednn", "padded")  # what a plan chooses from, per row count
+ONEDNN_KERNELS = ("onednn", "padded")  # the CPU-only ones
 PACK_ROWS = 4  # oneDNN picks its kernel by this batch hint; 4 gives row-invariant results
 MIN_PACK = 1 << 16  # elements: smaller weights stay nn.Linear
 DTYPES = (torch.float32, torch.bfloat16)  # what the packed kernels run
@@ -96,6 +100,17 @@ def packed_forward(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
+def padded_forward(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`packed_forward` of fewer than `PACK_ROWS` rows computed as `PACK_ROWS` rows (zero rows
+    appended, their outputs dropped): oneDNN's kernel for the rows the weight was packed for."""
+    rows = x.numel() // x.shape[-1]
+    if rows >= PACK_ROWS:
+        return packed_forward(x, packed, bias)
+    flat = torch.cat([x.reshape(rows, x.shape[-1]), x.new_zeros(PACK_ROWS - rows, x.shape[-1])])
+    y = packed_forward(flat, packed, bias)
+    return y[:rows].view(*x.shape[:-1], y.shape[-1])  # the leading rows: contiguous
+
+
 def _is_gated(module: nn.Module) -> bool:
     """A gated LoRA linear over a packed base (`GatedLoRALinear` after `pack_linears`)."""
     return isinstance(getattr(module, "base", None), PackedLinear) and hasattr(module, "At")
@@ -120,7 +135,8 @@ class PackedGroup:
 
     Kernel: `plan[min(rows, len(plan)) - 1]` for a call over `rows` rows (`KERNELS`: `stock` =
     each member's own `unpacked` forward, torch's layer exactly; `linear` = `F.linear` on the
-    stacked weight; `onednn` = oneDNN on the weight packed by `pack_rows`); no plan = oneDNN for
+    stacked weight; `onednn` = oneDNN on the weight packed by `pack_rows`; `padded` = the same over rows padded to
+    `PACK_ROWS`); no plan = oneDNN for
     every row count. `mtpkit.models.kernel_plan` measures and sets the plans. Off the CPU
     (`cpu_paths`) a group has no oneDNN: its plan is `DEVICE_PLAN`.
     A member's weight or bias changed in place is packed again at the next call. Not usable
@@ -171,7 +187,7 @@ class PackedGroup:
     def plan(self, plan: tuple[str, ...] | None) -> None:
         if plan is not None and any(k not in KERNELS for k in plan):
             raise ValueError(f"a kernel plan holds only {KERNELS}, got {plan!r}")
-        if not self.onednn and (plan is None or "onednn" in plan):
+        if not self.onednn and (plan is None or any(k in ONEDNN_KERNELS for k in plan)):
             raise ValueError(f"a group on {self.device} has no oneDNN kernel, got the plan {plan!r}")
         self._plan = None if plan is None else tuple(plan)
         rows = 0  # the leading row counts planned `stock`: a `PackedLinear` call over at most
@@ -220,6 +236,8 @@ class PackedGroup:
             self._pack()
         if kernel == "linear":
             y = F.linear(x, self.weight, self.bias)
+        elif kernel == "padded":
+            y = padded_forward(x, self.packed, self.bias)
         else:
             y = packed_forward(x, self.packed, self.bias)
         gate = self.gate

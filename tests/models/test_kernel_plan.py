@@ -45,10 +45,13 @@ def test_measure_times_every_kernel_pair_for_every_row_count_and_restores_the_pl
     groups = groups_of(packed_tiny)
     assert len(groups["head"]) == 1 and groups["body"]
     groups["body"][0].plan = ("linear",)
-    table = measure(packed_tiny, rows=(1, 3), reps=2, cache_len=8)
+    table = measure(packed_tiny, rows=(1, 3, 4), reps=2, cache_len=8)
     # the LM head is a group of one: `linear` is `stock` there, so it is not timed twice
-    assert set(table) == {f"{b}/{h}" for b in KERNELS for h in ("stock", "onednn")}
-    assert all(set(t) == {1, 3} and min(t.values()) > 0 for t in table.values())
+    assert set(table) == {f"{b}/{h}" for b in KERNELS for h in ("stock", "onednn", "padded")}
+    # `padded` is `onednn` from PACK_ROWS rows up: timed below them only
+    assert all(set(t) == ({1, 3} if "padded" in name else {1, 3, 4}) and min(t.values()) > 0
+               for name, t in table.items())
+    assert set(choose(table)) == {"body", "head"}  # a table with gaps is one choose reads
     assert groups["body"][0].plan == ("linear",) and groups["body"][1].plan is None
 
 

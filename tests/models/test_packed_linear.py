@@ -49,6 +49,26 @@ def test_rows_do_not_depend_on_how_many_are_computed():
 
 
 @torch.no_grad()
+def test_padded_rows_are_the_rows_of_the_product_the_weight_was_packed_for():
+    """`padded`: 1-3 rows computed as the 4 rows oneDNN packed the weight for, so each row equals
+    that row of the 4-row product bit for bit, at any inner width (1536 included, where on an AMD
+    EPYC oneDNN's own 1-row kernel differs from its 4-row one in the last bits)."""
+    torch.manual_seed(0)
+    for width in (384, 1536):
+        lin = nn.Linear(width, 700)
+        packed = PackedLinear(lin)
+        packed.group.plan = ("padded", "padded", "padded", "onednn")
+        x = torch.randn(1, 4, width)
+        four = packed_forward(x, pack_rows(lin.weight.detach()), lin.bias)
+        assert torch.equal(packed(x), four)
+        for m in (1, 2, 3):
+            y = packed(x[:, :m])
+            assert y.shape == (1, m, 700) and y.is_contiguous()
+            assert torch.equal(y, four[:, :m]), (width, m)
+        assert torch.equal(packed(x[0, :2]), four[0, :2])  # 2D input too
+
+
+@torch.no_grad()
 def test_a_plan_picks_the_kernel_by_row_count():
     torch.manual_seed(0)
     lin = nn.Linear(384, 3000)
@@ -230,8 +250,9 @@ def test_off_the_cpu_groups_fuse_with_f_linear_and_no_onednn(tiny, tmp_path, mon
     attn = base.model.layers[0].self_attn
     group = attn.q_proj.siblings
     assert group is attn.v_proj.siblings and not group.onednn and group.plan == ("stock", "linear")
-    with pytest.raises(ValueError, match="no oneDNN kernel"):
-        group.plan = None
+    for plan in (None, ("stock", "padded")):
+        with pytest.raises(ValueError, match="no oneDNN kernel"):
+            group.plan = plan
     assert tune(base) is None  # nothing to measure: no plan off the CPU
     calls = []
     compute = group._compute
