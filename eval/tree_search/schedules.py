@@ -89,25 +89,18 @@ def oracle(cals: list[Calibration], trees: list[Topology], pool: list[int], cost
         options = [(trees[i], costs[f"{trees[i].name}@{block}"] + costs.get(f"draft:{trees[i].name}@{block}", 0.0))
                    for i in used]
         none, ar = costs[f"none@{block}"], costs["ar"]
-        seconds, steps, tokens = len(cals) * costs["prefill"], len(cals), 0
-        for cal in cals:
-            n, ranks = cal.n, cal.ranks.tolist()
-            # best[j][h]: (seconds, steps) to finish from anchor j (j + 1 tokens generated), h = a block drafted it
-            best = [[(0.0, 0)] * 2 for _ in range(n + 1)]
-            for j in range(n - 2, -1, -1):
-                moves = [(none, 1, 1)] + ([(ar, 1, 0)] if ar_steps else [])
-                best[j][0] = min((c + best[j + new][h][0], 1 + best[j + new][h][1]) for c, new, h in moves)
-                for tree, c in options:
-                    L = accept_length(tree, ranks[j])
-                    has = (tree.index[tuple(ranks[j][:L])] if L else 0) in tree.block_nodes
-                    moves.append((c, L + 1, int(has)))
-                best[j][1] = min((c + best[min(j + new, n - 1)][h][0], 1 + best[min(j + new, n - 1)][h][1])
-                                 for c, new, h in moves)
-            seconds += best[0][1][0]
-            steps += best[0][1][1]
-            tokens += n
-        results.append({"trees": used, "block": block, "ar_steps": ar_steps, "sim_tau": round(tokens / steps, 4),
-                        "sim_tokens_per_s": round(tokens / seconds, 2)})
+
+        def moves(ranks: list, drafted: int) -> list[tuple[float, int, int]]:
+            # from an anchor with (1) or without (0) a block: the root's block alone, an AR step,
+            # or (with a block) a pool tree, whose deepest accepted node may carry a block
+            out = [(none, 1, 1)] + ([(ar, 1, 0)] if ar_steps else [])
+            for tree, c in options if drafted else ():
+                L = accept_length(tree, ranks)
+                out.append((c, L + 1, int((tree.index[tuple(ranks[:L])] if L else 0) in tree.block_nodes)))
+            return out
+
+        results.append({"trees": used, "block": block, "ar_steps": ar_steps,
+                        **future_known(cals, costs, moves, states=2, start=1)})
     return max(results, key=lambda r: r["sim_tokens_per_s"])
 
 
@@ -117,19 +110,30 @@ def heads_oracle(cals: list[Calibration], trees: list[Topology], pool: list[int]
     also be a plain AR step: no nodes, one token), chosen knowing the accept length of every tree
     at every anchor; dynamic programming over anchors on the simulator's steps and `costs`."""
     options = [(trees[i], costs[f"{trees[i].name}@0"] + costs.get(f"draft:{trees[i].name}@0", 0.0)) for i in pool]
+
+    def moves(ranks: list, _state: int) -> list[tuple[float, int, int]]:
+        return [(c, accept_length(tree, ranks) + 1, 0) for tree, c in options] + ([(costs["ar"], 1, 0)] if ar_steps else [])
+
+    return {"trees": list(pool), "block": 0, "ar_steps": ar_steps, **future_known(cals, costs, moves, states=1, start=0)}
+
+
+def future_known(cals: list[Calibration], costs: dict, moves, states: int, start: int) -> dict:
+    """The dynamic program of the oracles: per calibration, best[j][h] = the least (seconds, steps)
+    to finish from anchor j (j + 1 tokens generated) in state h, over `moves(ranks at j, h)` ->
+    [(seconds, tokens gained, next state)]; each reply starts in state `start` after its prefill.
+    Returns the whole run's sim_tau and sim_tokens_per_s."""
     seconds, steps, tokens = len(cals) * costs["prefill"], len(cals), 0
     for cal in cals:
         n, ranks = cal.n, cal.ranks.tolist()
-        best = [(0.0, 0)] * n  # best[j]: (seconds, steps) to finish from anchor j (j + 1 tokens generated)
+        best = [[(0.0, 0)] * states for _ in range(n)]
         for j in range(n - 2, -1, -1):
-            moves = [(c, accept_length(tree, ranks[j]) + 1) for tree, c in options]
-            moves += [(costs["ar"], 1)] if ar_steps else []
-            best[j] = min((c + best[min(j + new, n - 1)][0], 1 + best[min(j + new, n - 1)][1]) for c, new in moves)
-        seconds += best[0][0]
-        steps += best[0][1]
+            for h in range(states):
+                best[j][h] = min((c + best[min(j + new, n - 1)][to][0], 1 + best[min(j + new, n - 1)][to][1])
+                                 for c, new, to in moves(ranks[j], h))
+        seconds += best[0][start][0]
+        steps += best[0][start][1]
         tokens += n
-    return {"trees": list(pool), "block": 0, "ar_steps": ar_steps, "sim_tau": round(tokens / steps, 4),
-            "sim_tokens_per_s": round(tokens / seconds, 2)}
+    return {"sim_tau": round(tokens / steps, 4), "sim_tokens_per_s": round(tokens / seconds, 2)}
 
 
 def swept_signals(cals: list[Calibration], signals: tuple[str, ...], ema_alphas: tuple[float, ...]) -> list[str]:

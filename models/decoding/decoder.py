@@ -166,6 +166,17 @@ def eager_forward(target: Target, drafter: Drafter, draft, cache, ids: torch.Ten
     return hidden, shared
 
 
+def signal_at(drafter: Drafter, node, hidden: torch.Tensor, every: torch.Tensor, bonus) -> torch.Tensor | None:
+    """The drafter's `step_signal` at the deepest accepted `node` (a one-element device index, or
+    the root's slice), computed on the device to travel in the step's one host read; `bonus()`
+    gives the bonus token there. None when the drafter wants none (nothing computed)."""
+    if not drafter.wants_signal:
+        return None
+    if isinstance(node, slice):
+        return drafter.step_signal(hidden[node], every[node], bonus())
+    return drafter.step_signal(hidden.index_select(0, node), every.index_select(0, node), bonus())
+
+
 @torch.no_grad()
 def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int,
            temperature: float = 0.0, top_p: float = 1.0, eos_token_ids=(),
@@ -273,11 +284,8 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
                 if not chain and layout is None:
                     layout = step_layout(target, draft, parents)
                 best = accept_on_device(argmaxes, ids[: 1 + N], None if chain else layout)
-                wanted = None
-                if drafter.wants_signal:  # at the deepest accepted node, on the device: read with the decision
-                    node = best.view(1)
-                    wanted = drafter.step_signal(hidden.index_select(0, node), every.index_select(0, node),
-                                                 argmaxes.index_select(0, node))
+                node = best.view(1)
+                wanted = signal_at(drafter, node, hidden, every, lambda: argmaxes.index_select(0, node))
                 read, signal = read_decision(torch.cat([best[None], argmaxes] + ([draft_ids] if device_tokens else [])),
                                              wanted)
                 choices = read[1: 1 + len(hidden)]
@@ -287,8 +295,7 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
                 bonus = choices[last]
             else:  # AR, or the prefill's draft: every row's argmax (and the draft tokens) read, walked here
                 # (without a draft the last accepted node is the root, row 0)
-                wanted = drafter.step_signal(hidden[:1], every[:1], argmaxes[:1]) if drafter.wants_signal and not N \
-                    else None
+                wanted = None if N else signal_at(drafter, slice(0, 1), hidden, every, lambda: argmaxes[:1])
                 read, signal = read_decision(torch.cat([argmaxes] + ([draft_ids] if device_tokens else [])), wanted)
                 choices = read[: len(hidden)]
                 step_tokens = [context[-1]] + (read[len(hidden):] if device_tokens else host_tokens or [])
@@ -306,10 +313,7 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
             probs = target_probs(logits(list(range(1 + N))), temperature, top_p)
             decision = sample_on_device(probs, ids[root: root + 1 + N], draft.draft_probs,
                                         None if chain else layout, generator)
-            wanted = None
-            if drafter.wants_signal:
-                node = decision[:1]
-                wanted = drafter.step_signal(hidden.index_select(0, node), every.index_select(0, node), decision[1:])
+            wanted = signal_at(drafter, decision[:1], hidden, every, lambda: decision[1:])
             read, signal = read_decision(torch.cat([decision] + ([draft_ids] if device_tokens else [])), wanted)
             last, bonus = read[0], read[1]
             step_tokens = [context[-1]] + (read[2:] if device_tokens else host_tokens or [])
