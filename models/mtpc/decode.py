@@ -354,7 +354,8 @@ def decode_window(head, hidden: torch.Tensor, n: int = 0, units_dtype: torch.dty
                   ) -> tuple[CircuitParams, "LazyUnits"]:
     """The circuit of ONE hidden state [d] of `head` (an `MTPCHead`) over the first `n` window
     positions (0 = all; a marginal of the window for ff/cp/hmm), with its input units left to
-    compute on demand: `params.log_phi` is the buffer `units` fills (see `LazyUnits`). A cirkit
+    compute on demand: `params.log_phi` is the buffer `units` fills (see `LazyUnits`). With
+    `units_dtype` the inner sum weights are projected in that precision as well. A cirkit
     head (`mtpkit.models.mtpc.cirkit_head.CirkitHead`) answers with its own `decode` (units None)."""
     if not isinstance(head, MTPCHead):
         return head.decode(hidden, n, units_dtype)
@@ -363,7 +364,10 @@ def decode_window(head, hidden: torch.Tensor, n: int = 0, units_dtype: torch.dty
         raise ValueError("a btree window cannot be cut: its tree spans the whole window")
     h = hidden.to(head.unembed.dtype)
     units = LazyUnits(head, h, n, units_dtype)
-    root, inner = head._sums(h[None])
+    inner_logits = None  # the inner projections in the units' precision too
+    if head.inner is not None and units_dtype not in (None, head.inner.dtype):
+        inner_logits = _matvec(weight_as(head, "inner", units_dtype), units.hw).to(h.dtype)[None]  # [1, L, r * r]
+    root, inner = head._sums(h[None], inner_logits)
     if inner is not None and head.cfg.arch == "hmm":
         inner = inner[:, : n - 1]
     return CircuitParams(head.cfg.arch, units.log_phi, root, inner), units

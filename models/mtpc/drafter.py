@@ -28,7 +28,7 @@ the positions it visits, in closed form (`circuits.next_log_probs_posterior`). U
 head's input units are computed lazily too (`LazyUnits`): all r units only for the positions
 conditioned on or verified, one unit per other position; a BTree cycle (`LazyBTree`) also
 projects only the sum weights its draws and conditionals read. Greedy chain drafts compute the whole
-head (the mode reads every unit); greedy trees, only the units of the positions
+head (the mode reads every unit, in `units`' precision); greedy trees, only the units of the positions
 their depth reaches (as sampled trees).
 
 On a backbone with windowed attention (EvaByte's EVA) a draft stops at the window's end
@@ -249,7 +249,12 @@ class MTPCDrafter(Drafter):
         return Draft(tokens=window, parents=list(range(len(window))))
 
     def _head_params(self, span: int):
-        """The whole head's circuit of e over its first `span` positions (greedy drafts)."""
+        """The whole head's circuit of e over its first `span` positions (greedy drafts), its input
+        units read in `units`' precision (int8 reads a quarter of the float32 bytes)."""
+        if isinstance(self.model.head, MTPCHead):
+            params, units = decode_window(self.model.head, self.e, span, UNIT_DTYPES[self.config.units])
+            units.upto(span)  # the mode reads every unit of every position
+            return params
         params = self.model.head(self.e[None])
         if span < params.n and isinstance(params, CircuitParams):  # the marginal of the first n positions
             inner = None if params.inner is None else params.inner[:, : span - 1]

@@ -131,15 +131,18 @@ class MTPCHead(nn.Module):
         log_phi = torch.einsum("bd,nrvd->bnrv", h, self.unembed).log_softmax(-1)  # [B, n, r, V]
         return CircuitParams(self.cfg.arch, log_phi, *self._sums(h))
 
-    def _sums(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The sum-unit weights of rows h [B, d]: root [B, r] and inner [B, L, r, r] (None for FF)."""
+    def _sums(self, h: torch.Tensor, inner_logits: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The sum-unit weights of rows h [B, d]: root [B, r] and inner [B, L, r, r] (None for FF);
+        `inner_logits` [B, L, r * r]: the inner projections already computed (without their bias),
+        e.g. from a lower-precision copy of the weights at decoding."""
         if self.root is None:
             return None, None
         root = (h @ self.root.T + self.root_bias).softmax(-1)  # [B, r]
         inner = None
         if self.inner is not None:
             r = self.cfg.units
-            logits = torch.einsum("bd,lkd->blk", h, self.inner) + self.inner_bias
+            logits = (torch.einsum("bd,lkd->blk", h, self.inner) if inner_logits is None else inner_logits) + self.inner_bias
             inner = logits.view(len(h), -1, r, r).softmax(-1)  # [B, L, r, r]
             if self.gate is not None:
                 g = _ClampST.apply(self.gate)[None, :, None, None]

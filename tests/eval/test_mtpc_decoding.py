@@ -198,3 +198,23 @@ def test_drafting_the_first_bytes_of_a_window_is_exact(small, tiny_byte, arch):
     want = decode(Target(backbone), Drafter(), prompt, 30).tokens
     got = decode(Target(backbone), MTPCDrafter(MTPCDraftConfig(n=2), model=head), prompt, 30)
     assert got.tokens == want and 0 < got.draft_nodes <= 2 * got.target_calls and sum(got.accept_counts) > 0
+
+
+@pytest.mark.parametrize("arch,units", [("btree", "int8"), ("hmm", "bfloat16"), ("btree", "float32")])
+def test_greedy_chain_drafts_read_the_head_in_the_units_precision(tiny_byte, monkeypatch, arch, units):
+    """A greedy chain draft (the circuit's mode) reads every unit of the window, but in `units`'
+    precision (int8: a quarter of the float32 bytes), its inner sum weights too: the head's own
+    float32 forward is never run, and greedy output stays AR's, with drafts accepted."""
+    backbone, _ = tiny_byte
+    head = make_head(backbone, arch, 0, n=4)
+    prompt = [5, 17, 99, 3]
+    want = decode(Target(backbone), Drafter(), prompt, 30).tokens
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the greedy draft ran the head's float32 forward")
+    monkeypatch.setattr(type(head.head), "forward", no_forward)
+    got = decode(Target(backbone), MTPCDrafter(MTPCDraftConfig(units=units), model=head), prompt, 30)
+    assert got.tokens == want and got.draft_nodes > 0 and sum(got.accept_counts) > 0
+    copies = head.head.__dict__.get("_decode_copies", {})
+    dtype = {"int8": torch.int8, "bfloat16": torch.bfloat16}.get(units)
+    assert {name for name, d in copies if d == dtype} == (set() if dtype is None else {"unembed", "inner"})
