@@ -287,7 +287,7 @@ def test_the_kernel_plan_times_steps_on_the_eva_cache():
     model = build(tiny_config(16, 4))
     pack_linears(model, "onednn")  # the LM head (8 x 320 rows)
     table = measure(model, rows=(1, 8, 9), reps=2, cache_len=40)  # rows at 40..: the window [32, 48) holds 8
-    assert table and all(set(t) == {1, 8} for t in table.values())
+    assert table and all(set(t) == ({1} if "padded" in name else {1, 8}) for name, t in table.items())
 
 
 # the 2-byte joint over a 5-token vocabulary; the prompt spans two windows (W = 4), so every byte
