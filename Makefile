@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mtpkit-installed
 RUNS ?= runs
 
-.PHONY: demo gated-demo test install clean tables gated-best medusa
+.PHONY: demo gated-demo test install clean tables gated-best medusa hydra-best
 
 install: $(STAMP)
 
@@ -95,6 +95,41 @@ medusa: $(STAMP)
 		--rounds 2 --out $(MEDUSA)/bench/results.json --methods ar medusa:head=$(MEDUSA)/medusa_export \
 		medusa:head=$(MEDUSA)/medusa_export,tree=chain2 hydra:head=$(MEDUSA)/hydra_export \
 		hydra:head=$(MEDUSA)/hydra_export,tree=chain2
+
+# The best Medusa and Hydra heads of docs/medusa.md ("EntMTP's comparison") from a fresh clone, on one
+# CPU core: the prompt mix of GSM8K train, Code Alpaca and ShareGPT (data/mix.py; MIX_DATA is the
+# folder holding those files and the HumanEval and GSM8K test prompts the curve is measured on),
+# 800 of its prompts self-distilled (the backbone's own greedy answers, 128 tokens), the frozen
+# backbone's hidden states once, then Hydra (teacher distillation) and Medusa heads on them, each
+# exported with its model card, and gated LoRA on the same data for the curve of sim_tau against
+# training seconds (eval/tables.py curve, under $(HYDRA_BEST)/docs/results). About an hour and a half on
+# one CPU core. Resumable: rerun it after an interruption.
+MIX_DATA ?=
+HYDRA_BEST := $(RUNS)/hydra_best
+HYDRA_BEST_EVAL = --eval-data $(HYDRA_BEST)/eval.jsonl --eval-prompts 6 --eval-max-new-tokens 48 --resume auto
+ifneq ($(filter hydra-best,$(MAKECMDGOALS)),)
+ifeq ($(MIX_DATA),)
+$(error make hydra-best: set MIX_DATA to the folder with gsm8k_train.jsonl, code_alpaca_2k.jsonl, sharegpt_1k.jsonl, humaneval.jsonl.gz and gsm8k_test.jsonl (make hydra-best MIX_DATA=DIR))
+endif
+endif
+hydra-best: $(STAMP)
+	$(PY) data/mix.py --data-dir $(MIX_DATA) --out $(HYDRA_BEST)/prompts.jsonl
+	$(PY) data/mix.py --data-dir $(MIX_DATA) --eval 3 --out $(HYDRA_BEST)/eval.jsonl
+	$(PY) data/distill.py --backbone smollm2-135m-instruct --data $(HYDRA_BEST)/prompts.jsonl --limit 800 \
+		--max-new-tokens 128 --batch-size 32 --out $(HYDRA_BEST)/distilled.jsonl
+	$(PY) train/medusa.py --config configs/medusa/smollm2-135m_hydra.yaml --data $(HYDRA_BEST)/distilled.jsonl \
+		--output-dir $(HYDRA_BEST)/hydra --feature-cache $(HYDRA_BEST)/features.safetensors \
+		--max-steps 1300 --eval-every 150 --save-every 150 $(HYDRA_BEST_EVAL)
+	$(PY) train/export.py --checkpoint $(HYDRA_BEST)/hydra --out $(HYDRA_BEST)/hydra_export
+	$(PY) train/medusa.py --config configs/medusa/smollm2-135m_medusa.yaml --data $(HYDRA_BEST)/distilled.jsonl \
+		--output-dir $(HYDRA_BEST)/medusa --feature-cache $(HYDRA_BEST)/features.safetensors \
+		--max-steps 500 --eval-every 125 --save-every 125 $(HYDRA_BEST_EVAL)
+	$(PY) train/export.py --checkpoint $(HYDRA_BEST)/medusa --out $(HYDRA_BEST)/medusa_export
+	$(PY) train/gated_lora.py --config configs/gated_lora/smollm2-135m_k4_nosampler.yaml --data $(HYDRA_BEST)/distilled.jsonl \
+		--output-dir $(HYDRA_BEST)/gated_lora --max-steps 150 --decay-steps 40 --eval-every 25 --save-every 25 \
+		--eval-decoding linear $(HYDRA_BEST_EVAL)
+	$(PY) eval/tables.py --root $(HYDRA_BEST) curve hydra_best_curve hydra=$(HYDRA_BEST)/hydra medusa=$(HYDRA_BEST)/medusa \
+		gated_lora=$(HYDRA_BEST)/gated_lora --command "make hydra-best MIX_DATA=$(MIX_DATA)" --plot $(HYDRA_BEST)/curve.png
 
 # The README's and docs/' results tables, rebuilt from docs/results/*.json (`eval/tables.py collect`
 # adds a bench run there); `make tables` is also what the sync test checks.

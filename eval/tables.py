@@ -13,9 +13,9 @@ and prompt ids are left out (some prompt sets may not be redistributed).
 
 `curve NAME LABEL=OUTPUT_DIR ... --command CMD` keeps, from training runs' metrics.jsonl (train/medusa.py,
 train/gated_lora.py), each run's `sim_tau` rows against its training seconds (`train_seconds`,
-evaluation excluded; plus `features_seconds`, the frozen backbone's pass that Medusa and Hydra heads
-train on, counted from the start) in docs/results/NAME.json, rendered as one table of every run's
-points; `--plot FILE` also draws the curves (a .png).
+evaluation excluded; the frozen backbone's one pass that Medusa and Hydra heads train on,
+`features_seconds`, is not in them) in docs/results/NAME.json, rendered as one table of every
+run's points; `--plot FILE` also draws the curves (a .png).
 
 `render` replaces the inside of every block
 
@@ -88,20 +88,18 @@ def collect(name: str, results_path: Path, command: str, root: Path = ROOT, date
 
 
 def curve(name: str, runs: list[tuple[str, Path]], command: str, root: Path = ROOT, date: str | None = None) -> Path:
-    """Each run's sim_tau rows (step, seconds from the start: features_seconds + train_seconds,
-    sim_tau) from OUTPUT_DIR/metrics.jsonl -> docs/results/NAME.json."""
+    """Each run's sim_tau rows (step, train_seconds, sim_tau) from OUTPUT_DIR/metrics.jsonl ->
+    docs/results/NAME.json."""
     out = {"name": name, "kind": "curve", "command": command, "date": date or datetime.date.today().isoformat(),
            "runs": {}}
     for label, folder in runs:
         rows = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        features = next((r["features_seconds"] for r in rows if "features_seconds" in r), 0.0)
-        points = [{"step": r["step"], "train_seconds": round(r["train_seconds"], 1),
-                   "seconds": round(features + r["train_seconds"], 1), "sim_tau": round(r["sim_tau"], 4)}
+        points = [{"step": r["step"], "train_seconds": round(r["train_seconds"], 1), "sim_tau": round(r["sim_tau"], 4)}
                   for r in rows if "sim_tau" in r]
         if not points or any("train_seconds" not in r for r in rows if "sim_tau" in r):
             raise TableError(f"{folder}/metrics.jsonl: no sim_tau row with train_seconds (a run of a trainer "
                              "that logs them, with --eval-every)")
-        out["runs"][label] = {"output_dir": str(folder), "features_seconds": round(features, 1), "points": points}
+        out["runs"][label] = {"output_dir": str(folder), "points": points}
     path = root / RESULTS_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(out, indent=1) + "\n")
@@ -109,13 +107,16 @@ def curve(name: str, runs: list[tuple[str, Path]], command: str, root: Path = RO
 
 
 def curve_text(table: dict) -> str:
-    """A curve's block: every run's points, then the command."""
-    lines = ["| run | step | seconds (features + training) | sim_tau |", "|---|---|---|---|"]
+    """A curve's block: a row per run, its points in order, then the command."""
+    lines = ["| run | step | training seconds | sim_tau |", "|---|---|---|---|"]
     for label, run in table["runs"].items():
-        lines += [f"| {label} | {p['step']} | {p['seconds']:.0f} | {p['sim_tau']:.3f} |" for p in run["points"]]
+        steps = " / ".join(str(p["step"]) for p in run["points"])
+        seconds = " / ".join(f"{p['train_seconds']:.0f}" for p in run["points"])
+        taus = " / ".join(f"{p['sim_tau']:.3f}" for p in run["points"])
+        lines.append(f"| {label} | {steps} | {seconds} | {taus} |")
     pairs = " ".join(f"{label}={run['output_dir']}" for label, run in table["runs"].items())
-    return ("\n".join(lines) + f"\n\nMeasured on {table['date']} with:\n\n```bash\n{table['command']}\n```\n\n"
-            + f"Rebuild this table from those runs:\n\n```bash\npython eval/tables.py curve {table['name']} {pairs} "
+    return ("\n".join(lines) + f"\n\nMeasured on {table['date']} with `{table['command']}`; rebuild this table from "
+            + f"those runs:\n\n```bash\npython eval/tables.py curve {table['name']} {pairs} "
             + f"--command {shlex.quote(table['command'])}\npython eval/tables.py render\n```\n")
 
 

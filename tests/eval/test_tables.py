@@ -106,8 +106,8 @@ def test_the_repository_tables_are_in_sync_with_docs_results(capsys):
 
 
 def test_curve_keeps_sim_tau_against_seconds_and_renders_them(tmp_path, capsys):
-    """`curve` reads each run's sim_tau rows, counts the features' pass from the start, and its
-    block renders every point; a run without train_seconds is refused."""
+    """`curve` reads each run's sim_tau rows and its block renders every point; a run without
+    train_seconds is refused."""
     heads, lora = tmp_path / "heads", tmp_path / "lora"
     heads.mkdir(), lora.mkdir()
     (heads / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
@@ -118,12 +118,13 @@ def test_curve_keeps_sim_tau_against_seconds_and_renders_them(tmp_path, capsys):
     args = ["--root", str(tmp_path), "curve", "cv", f"hydra={heads}", f"gated={lora}", "--command", "make x"]
     assert tables.main(args + ["--plot", str(tmp_path / "cv.png")]) == 0
     saved = json.loads((tmp_path / "docs" / "results" / "cv.json").read_text())
-    assert [p["seconds"] for p in saved["runs"]["hydra"]["points"]] == [120.0, 140.0]
+    assert saved["runs"]["hydra"]["points"] == [{"step": 10, "train_seconds": 20.0, "sim_tau": 1.5},
+                                                {"step": 20, "train_seconds": 40.0, "sim_tau": 1.75}]
     assert (tmp_path / "cv.png").stat().st_size > 0
     (tmp_path / "docs" / "page.md").write_text("<!-- table:cv -->\n<!-- /table:cv -->\n")
     assert tables.main(["--root", str(tmp_path), "render"]) == 0
     text = (tmp_path / "docs" / "page.md").read_text()
-    assert "| hydra | 20 | 140 | 1.750 |" in text and "| gated | 5 | 60 | 1.125 |" in text and "make x" in text
+    assert "| hydra | 10 / 20 | 20 / 40 | 1.500 / 1.750 |" in text and "| gated | 5 | 60 | 1.125 |" in text and "make x" in text
     assert tables.main(["--root", str(tmp_path), "render", "--check"]) == 0
     (lora / "metrics.jsonl").write_text(json.dumps({"step": 5, "sim_tau": 1.1}) + "\n")
     assert tables.main(args) == 2
