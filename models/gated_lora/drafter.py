@@ -40,7 +40,7 @@ from mtpkit.models.decoding.drafter import Draft, Drafter, StepOutput
 from mtpkit.models.gated_lora.head import load_head, read_settings
 from mtpkit.models.gated_lora.inference import to_inference
 from mtpkit.models.gated_lora.model import GatedMTP
-from mtpkit.models.gated_lora.screen import ScreenedHead
+from mtpkit.models.screen import ScreenedHead
 from mtpkit.models.generate import target_probs
 from mtpkit.models.head_folder import recorded_backbone
 from mtpkit.models.trees import MaskTreeDrafting, MaskTreeOptions, check_ranks, mask_blocks

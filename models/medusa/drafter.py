@@ -48,6 +48,7 @@ import torch
 from transformers import DynamicCache
 
 from mtpkit.models.decoding.drafter import Draft, Drafter, StepOutput
+from mtpkit.models.screen import ScreenedHead
 from mtpkit.models.head_folder import recorded_backbone
 from mtpkit.models.medusa.head import load_head, read_settings
 from mtpkit.models.medusa.model import MedusaConfig, MedusaHeads
@@ -90,6 +91,7 @@ class MedusaDrafter(Drafter):
             self._check(settings, recorded_backbone(head_config).get("vocab_size"))
         self.indices_device = None  # the device the index tensors were built on
         self.tree_log = None
+        self.screen = self.screens = None  # the shared LM head's bf16 screen (`_top`), made at the first `begin` on a CPU
 
     def _check(self, settings: MedusaConfig, vocab_size: int | None) -> None:
         if self.arch is not None and settings.arch != self.arch:
@@ -138,6 +140,12 @@ class MedusaDrafter(Drafter):
         if self.indices_device != target.device:
             self.indices = {i: self._build_indices(i, target.device) for i in self.compiled}
             self.indices_device = target.device
+        head = target.lm_head
+        self.screen = None
+        if getattr(target, "cpu_paths", True) and self.model.proj is None and ScreenedHead.usable(head):
+            if self.screens is None or self.screens.head is not head:
+                self.screens = ScreenedHead(head)  # kept across prompts: its bf16 copy is made once
+            self.screen = self.screens
         if self.config.log and self.tree_log is None:  # line-buffered: one line per step, kept on a crash
             self.tree_log = open(self.config.log, "a", buffering=1)
 
@@ -182,10 +190,21 @@ class MedusaDrafter(Drafter):
             return m.logits(0, z, self.target.lm_head)
         return torch.cat([m.logits(i, z[i: i + 1]) for i in range(depth)])
 
+    def _top(self, i: int, z: torch.Tensor, width: int) -> torch.Tensor:
+        """The `width` best tokens [R, width] of head i's logits at z [R, d], best first: on a CPU
+        from the bf16 screen of the shared LM head (`ScreenedHead`: the float32 ranking, read at
+        half the bytes; one LM-head read per depth is most of a draft's cost), else from the logits."""
+        if self.screen is not None:
+            return self.screen.topk(z.float(), width)
+        return self.model.logits(i, z, self.target.lm_head).topk(width, dim=-1).indices
+
     def _medusa_tokens(self, index: int) -> torch.Tensor:
         """[N] tokens on the device: node (r_1..r_d) = the r_d-th token of head d."""
         width, depth_index, rank_index, _ = self.indices[index]
-        top = self._medusa_logits(self.h[None], self.topology.depth).topk(width, dim=-1).indices  # [D, width]
+        if self.screen is not None:  # every head's state through one screen (one read of the LM head)
+            top = self._top(0, torch.cat([self.model.hidden(i, self.h[None]) for i in range(self.topology.depth)]), width)
+        else:
+            top = self._medusa_logits(self.h[None], self.topology.depth).topk(width, dim=-1).indices  # [D, width]
         return top[depth_index, rank_index]
 
     def _hydra_tokens(self, index: int) -> torch.Tensor:
@@ -197,7 +216,7 @@ class MedusaDrafter(Drafter):
         node_tokens[:1] = self._bonus_ids()
         for i, (nodes, parent_row, ranks, paths) in enumerate(levels):
             z = m.hidden(i, self.h.expand(len(paths), -1), node_tokens[paths])  # [P, d]
-            top = m.logits(i, z, self.target.lm_head).topk(width, dim=-1).indices  # [P, width]
+            top = self._top(i, z, width)  # [P, width]
             node_tokens[nodes] = top[parent_row, ranks]
         return node_tokens[1:]
 

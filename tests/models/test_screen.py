@@ -5,11 +5,11 @@ import pytest
 import torch
 from torch import nn
 
-import mtpkit.models.gated_lora.screen as screen
+import mtpkit.models.screen as screen
 from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.gated_lora.drafter import GatedLoRADraftConfig, GatedLoRADrafter
-from mtpkit.models.gated_lora.screen import ScreenedHead
+from mtpkit.models.screen import ScreenedHead
 from mtpkit.models.packed_linear import onednn_available, packable_dtypes
 from tests.models.test_gated_lora import make_gated
 
@@ -70,6 +70,36 @@ def test_screened_sampler_drafts_as_the_float32_one(tiny, monkeypatch, decoding)
             drafts.append(list(drafter.spec))
         drafter.observe = record
         got = decode(target, drafter, prompt, 32)
+        assert got.tokens == want
+        assert (drafter.screen is not None) == screened
+        runs[screened] = drafts
+    assert runs[True] == runs[False] and any(runs[True])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["medusa", "hydra"])
+def test_screened_heads_draft_as_the_float32_ones(tiny, monkeypatch, arch):
+    """Medusa's and Hydra's tree drafts through the screened LM head (MIN_SCREEN lowered): greedy
+    output is AR's, and every step's draft tokens are the unscreened drafter's."""
+    from mtpkit.models.medusa import MedusaConfig, MedusaDraftConfig, MedusaDrafter, MedusaHeads
+
+    base, _ = tiny
+    torch.manual_seed(3)
+    heads = MedusaHeads(base, MedusaConfig(arch=arch, heads=3, layers=1)).eval()
+    prompt = list(range(10, 18))
+    want = decode(Target(base), Drafter(), prompt, 24).tokens
+    runs = {}
+    for screened in (False, True):
+        monkeypatch.setattr(screen, "MIN_SCREEN", 0 if screened else 1 << 60)
+        drafter = MedusaDrafter(MedusaDraftConfig(tree="[[0],[1],[0,0],[0,1],[1,0],[2]]"), model=heads)
+        drafts, propose = [], drafter.propose
+
+        def record(tokens, propose=propose, drafts=drafts):
+            draft = propose(tokens)
+            drafts.append(torch.as_tensor(draft.tokens).tolist())
+            return draft
+        drafter.propose = record
+        got = decode(Target(base), drafter, prompt, 24)
         assert got.tokens == want
         assert (drafter.screen is not None) == screened
         runs[screened] = drafts

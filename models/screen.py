@@ -1,8 +1,9 @@
 """The exact top-k of a large LM head's logits from a product with its bfloat16 copy (a CPU).
 
-Why: the gated-LoRA sampler speculates y_i = argmax W MLP([E(y_{i-1}); z_i]) one mask after
-another, each a product of one row with the whole LM head W [V, d], which on a CPU costs a read
-of all of W: as much as the LM head of the verifier's step, once per speculation. oneDNN's bf16
+Why: drafters that rank tokens through the target's LM head W [V, d] outside the verifier's step
+(the gated-LoRA sampler, y_i = argmax W MLP([E(y_{i-1}); z_i]) one mask after another; Medusa's
+and Hydra's heads, one depth after another) pay a read of all of W per call on a CPU: as much
+as the LM head of the verifier's step, once per speculation or depth. oneDNN's bf16
 product reads half the bytes. Its logits are off by at most a bound per row, so only the rows
 whose upper bound reaches the k-th best lower bound can be in the top k: those few are computed
 again in float32 from W and ranked. The result is the top k of the float32 logits W h, as the
