@@ -84,8 +84,7 @@ def write_training_plot(metrics_file: Path, path: Path) -> None:
 
 
 def write_curve_plot(table: dict, path: Path) -> None:
-    """Simulated tau against seconds from the start of training (features included), one line per
-    run of an eval/tables.py curve."""
+    """Simulated tau against training seconds, one line per run of an eval/tables.py curve."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,8 +92,8 @@ def write_curve_plot(table: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, run in table["runs"].items():
-        ax.plot([p["seconds"] for p in run["points"]], [p["sim_tau"] for p in run["points"]], marker="o", label=label)
-    ax.set_xlabel("seconds from the start (features + training, evaluation excluded)")
+        ax.plot([p["train_seconds"] for p in run["points"]], [p["sim_tau"] for p in run["points"]], marker="o", label=label)
+    ax.set_xlabel("training seconds (evaluation excluded)")
     ax.set_ylabel("simulated tau (tokens per target call)")
     ax.legend(fontsize=8)
     fig.tight_layout()
