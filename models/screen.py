@@ -39,6 +39,14 @@ class ScreenedHead:
         self.head = head
         self.version = None
 
+    @classmethod
+    def of(cls, head: nn.Module, previous: "ScreenedHead | None" = None) -> "ScreenedHead | None":
+        """The screen of `head` where it applies (`usable`), else None; `previous` when it already
+        screens `head` (a drafter keeps its screen across prompts: the bf16 copy is made once)."""
+        if previous is not None and previous.head is head:
+            return previous
+        return cls(head) if cls.usable(head) else None
+
     @staticmethod
     def usable(head: nn.Module, min_numel: int | None = None) -> bool:
         """A bias-free float32 CPU head of at least `min_numel` weights (default `MIN_SCREEN`), on a

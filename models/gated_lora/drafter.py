@@ -161,12 +161,11 @@ class GatedLoRADrafter(MaskTreeDrafting, Drafter):
         self.spec_probs: torch.Tensor | None = None
         self.blocks: dict[int, list[int]] = {}
         # the sampler's top tokens from a bf16 screen of the LM head (exact: `ScreenedHead`) on a CPU
-        head = self.model.lm_head
-        self.screen = None
-        if getattr(target, "cpu_paths", True) and self.use_sampler and ScreenedHead.usable(head):
-            if self.screens is None or self.screens.head is not head:
-                self.screens = ScreenedHead(head)  # kept across prompts: its bf16 copy is made once
+        if getattr(target, "cpu_paths", True) and self.use_sampler:
+            self.screens = ScreenedHead.of(self.model.lm_head, self.screens)
             self.screen = self.screens
+        else:
+            self.screen = None
         if self.trees is not None:
             self.begin_trees(self.masks)
 

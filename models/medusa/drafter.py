@@ -140,12 +140,11 @@ class MedusaDrafter(Drafter):
         if self.indices_device != target.device:
             self.indices = {i: self._build_indices(i, target.device) for i in self.compiled}
             self.indices_device = target.device
-        head = target.lm_head
-        self.screen = None
-        if getattr(target, "cpu_paths", True) and self.model.proj is None and ScreenedHead.usable(head):
-            if self.screens is None or self.screens.head is not head:
-                self.screens = ScreenedHead(head)  # kept across prompts: its bf16 copy is made once
+        if getattr(target, "cpu_paths", True) and self.model.proj is None:
+            self.screens = ScreenedHead.of(target.lm_head, self.screens)
             self.screen = self.screens
+        else:
+            self.screen = None
         if self.config.log and self.tree_log is None:  # line-buffered: one line per step, kept on a crash
             self.tree_log = open(self.config.log, "a", buffering=1)
 
@@ -181,11 +180,15 @@ class MedusaDrafter(Drafter):
         c = self.compiled[index]
         return Draft(tokens=draft, parents=c.parents, layout=c.layout, children=c.children)
 
+    def _medusa_states(self, h: torch.Tensor, depth: int) -> torch.Tensor:
+        """[depth, d]: the first `depth` heads' states at h [1, d]."""
+        return torch.cat([self.model.hidden(i, h) for i in range(depth)])
+
     def _medusa_logits(self, h: torch.Tensor, depth: int) -> torch.Tensor:
         """[depth, V]: the first `depth` heads' logits at h [1, d], through the LM head in one call
         (one read of its weight)."""
         m = self.model
-        z = torch.cat([m.hidden(i, h) for i in range(depth)])  # [depth, d]
+        z = self._medusa_states(h, depth)
         if m.proj is None:
             return m.logits(0, z, self.target.lm_head)
         return torch.cat([m.logits(i, z[i: i + 1]) for i in range(depth)])
@@ -202,7 +205,7 @@ class MedusaDrafter(Drafter):
         """[N] tokens on the device: node (r_1..r_d) = the r_d-th token of head d."""
         width, depth_index, rank_index, _ = self.indices[index]
         if self.screen is not None:  # every head's state through one screen (one read of the LM head)
-            top = self._top(0, torch.cat([self.model.hidden(i, self.h[None]) for i in range(self.topology.depth)]), width)
+            top = self._top(0, self._medusa_states(self.h[None], self.topology.depth), width)
         else:
             top = self._medusa_logits(self.h[None], self.topology.depth).topk(width, dim=-1).indices  # [D, width]
         return top[depth_index, rank_index]
