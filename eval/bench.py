@@ -7,8 +7,8 @@
 Methods (`name` or `name:key=value,key=value`; results are keyed by the full spec) are the entries of
 `mtpkit.models.registry.METHODS`; the list with every option and its default is printed at the end
 of `--help`. `ar` always runs (it is every speed-up's denominator), and so does `hf_ar`
-(transformers' own `generate` on the untouched model: AR must not be slower than what a user
-gets from transformers; on EvaByte, whose code has no `generate` that takes its EVA cache,
+unless `--baselines 0` (transformers' own `generate` on the untouched model: AR must not be
+slower than what a user gets from transformers; on EvaByte, whose code has no `generate` that takes its EVA cache,
 EvaByte's own AR loop: `mtpkit.models.evabyte.generate`).
 Every mtpkit method, `ar` included, runs on the same target: with
 `--linear auto` (the default) each of its products runs on the kernel measured fastest on this
@@ -33,7 +33,8 @@ spread, or its k-row target step (`step cost vs AR`, measured in the run) costs 
 same target: AR is then not on its fastest path); when `hf_ar` or `ar_stock` is faster than `ar`
 by more than the spread; or when the machine's 1-minute load average, sampled after every
 prompt, averages above its CPU count + 0.5 over the run (the bench's own threads hold it near the
-CPU count). One round measures no spread, so every bound is then exact.
+CPU count). One round measures no spread, so every bound is then exact. After each round but the
+last, results.json holds the rounds so far (marked `partial`): a run stopped early keeps them.
 
 Prompts longer than the model's context (max_position_embeddings - --max-new-tokens) are skipped,
 with a warning naming how many from which --data source (cut prompts would lose their chat
@@ -103,8 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="target model: a known name, local HF folder or Hub id (default: %(default)s)")
     add_prompt_args(p, "every category gets its own row in the tables", default=["builtin"])
     p.add_argument("--methods", nargs="+", default=["ar", "pld", "probe"],
-                   help="methods to compare, each `name` or `name:key=value,...` (see below; ar and hf_ar always "
-                        "run)")
+                   help="methods to compare, each `name` or `name:key=value,...` (see below; ar always runs, hf_ar "
+                        "unless --baselines 0)")
     p.add_argument("--max-new-tokens", type=int, default=128,
                    help="tokens generated per prompt: about the reply length you serve (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -144,11 +145,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="how every method's decoding steps run (AR's included, so all compare on one runtime): "
                         "eager = dynamic shapes on the growing cache; static = one fixed-shape step per tree shape on "
                         "a static cache; compile = those steps under torch.compile (compiled at first use, the "
-                        "seconds reported as compile_s); graph = captured as CUDA graphs (CUDA only); auto = graph "
+                        "seconds reported as compile_s); graph = captured as CUDA graphs (CUDA only); compile_graph = "
+                        "compiled, then captured (CUDA only: fewer kernels a replay); auto = graph "
                         "on CUDA; on a CPU compile for AR and gated linear/quadratic chains once a run of this bench "
                         "with ar and ar:step=compile measured the compiled step faster on this machine, eager "
                         "otherwise (models/decoding/step_plan.py); a method's own step=MODE overrides it "
                         "(default: %(default)s)")
+    p.add_argument("--baselines", type=int, choices=(0, 1), default=1,
+                   help="1 = also run transformers' eager generate (hf_ar) and AR on stock kernels (ar_stock) when "
+                        "--methods does not list them, to check that ar is the fastest AR here; 0 = ar and the "
+                        "methods listed only (on a GPU, where eager generate costs several times every other "
+                        "method and the probe already times it: list hf_ar:compile=1 instead) (default: %(default)s)")
     p.add_argument("--retune", action="store_true",
                    help="with --linear auto: measure the kernel plan again (and cache it) even if one is cached, "
                         "e.g. after the machine's load or software changed")
@@ -160,11 +167,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if "ar" not in args.methods:
         args.methods.insert(0, "ar")
         args.parsed.insert(0, parse_method("ar"))
-    args.auto_stock = args.linear != "stock" and "ar_stock" not in args.methods
+    args.auto_stock = args.baselines == 1 and args.linear != "stock" and "ar_stock" not in args.methods
     if args.auto_stock:
         args.methods.insert(1, "ar_stock")
         args.parsed.insert(1, parse_method("ar_stock"))
-    if "hf_ar" not in args.methods:
+    if args.baselines == 1 and "hf_ar" not in args.methods:
         args.methods.insert(2 if args.auto_stock else 1, "hf_ar")
         args.parsed.insert(2 if args.auto_stock else 1, parse_method("hf_ar"))
     if len(set(args.methods)) != len(args.methods):
@@ -292,9 +299,11 @@ def build(args, device: torch.device, dtype: torch.dtype) -> Setup:
     return Setup(dtype, model, tokenizer, eos_token_ids(model, tokenizer), drafters, targets, hf_model, kernels)
 
 
-def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torch.device):
+def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torch.device, after_round=None):
     """Every prompt x every (dtype, method) pair, --rounds times, the pair order rotated per
-    prompt and per round. Returns ({dtype name: [round: {spec: [run per prompt]}]}, load averages)."""
+    prompt and per round; `after_round(rounds, loads)` after each round but the last (the results so
+    far, kept if the run is stopped). Returns ({dtype name: [round: {spec: [run per prompt]}]}, load
+    averages)."""
     pairs = [(d, m) for d in setups for m in range(len(args.methods))]
     room = max(len(p["ids"]) for p in prompts) + args.max_new_tokens + 64  # a static cache's positions
     for setup in setups.values():
@@ -307,7 +316,7 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
                                                setup.eos)["seconds"]
     for setup in setups.values():  # host reads a decoding step, counted on one untimed decode each
         for spec, drafter in setup.drafters.items():
-            if setup.targets[spec].step == "compile":
+            if setup.targets[spec].step in ("compile", "compile_graph"):
                 continue  # patching torch's read methods would make torch.compile recompile its steps
             with counting_reads(drafter) as steps:
                 decode(setup.targets[spec], drafter, prompts[0]["ids"], min(args.max_new_tokens, 32), args.temperature,
@@ -342,6 +351,8 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
             loads.append(os.getloadavg()[0])
         for d in setups:
             rounds[d].append(runs[d])
+        if after_round is not None and r + 1 < args.rounds:
+            after_round(rounds, loads)
     bar.close()
     return rounds, loads
 
@@ -409,8 +420,19 @@ def main(argv=None) -> dict:
         sys.exit(f"bench: no prompt of --data {' '.join(args.data)} fits the model's context "
                  f"({context} - --max-new-tokens {args.max_new_tokens})")
     setups = {names[0]: first, **{name: build(args, device, dtypes[name]) for name in names[1:]}}
-    rounds, loads = run_rounds(args, setups, prompts, device)
 
+    def partial(rounds, loads):  # the finished rounds' results, overwritten by the next
+        done = len(next(iter(rounds.values())))
+        write_results(args, setups, prompts, rounds, loads, paths, partial=f"{done} of {args.rounds} rounds")
+
+    rounds, loads = run_rounds(args, setups, prompts, device, after_round=partial)
+    return write_results(args, setups, prompts, rounds, loads, paths)
+
+
+def write_results(args, setups: dict[str, Setup], prompts: list[dict], rounds: dict, loads: list[float], paths: dict,
+                  partial: str | None = None) -> dict:
+    """Summarise the rounds and write results.json; with `partial` (a run stopped before its last round
+    keeps what it measured) the JSON alone, marked; else the tables and plots beside it, printed."""
     machine = {"cores": machine_cores(), "load_mean": round(statistics.mean(loads), 2), "load_max": round(max(loads), 2)}
     by_dtype = {}
     for name, setup in setups.items():
@@ -419,10 +441,13 @@ def main(argv=None) -> dict:
             if getattr(getattr(drafter, "model", None), "other_backbone", False):
                 results["methods"][spec]["other_backbone"] = True
         step_floors(results, setup, args)
-        record_steps(results, setup)
+        if partial is None:
+            record_steps(results, setup)
         results["warnings"] = timing_warnings(results)[0]
         results["config"] = {k: v for k, v in vars(args).items() if k != "parsed"}
-        results["config"].update(device=str(device), dtype=name)  # what auto resolved to
+        results["config"].update(device=str(setup.model.get_input_embeddings().weight.device), dtype=name)
+        if partial is not None:
+            results["partial"] = partial
         if setup.kernels is not None:
             results["kernels"] = {k: setup.kernels[k] for k in ("machine", "rows", "plans", "measured_at", "load",
                                                                 "cached")}
@@ -433,6 +458,9 @@ def main(argv=None) -> dict:
     if len(by_dtype) == 1:
         results = by_dtype[next(iter(by_dtype))]
         write_atomic(paths["json"], json.dumps(results, indent=1))
+        if partial is not None:
+            print(f"[bench] {partial} done: {paths['json']}")
+            return results
         table = write_markdown(results, paths["md"])
         write_plot(results, paths["png"])
         write_tradeoff_plot(results, paths["tradeoff"])
@@ -441,7 +469,12 @@ def main(argv=None) -> dict:
         return results
     comparison = dtype_table(by_dtype)
     results = {"dtypes": by_dtype, "comparison": comparison, "machine": machine}
+    if partial is not None:
+        results["partial"] = partial
     write_atomic(paths["json"], json.dumps(results, indent=1))
+    if partial is not None:
+        print(f"[bench] {partial} done: {paths['json']}")
+        return results
     tables = [f"## {name}\n\n" + write_markdown(r, paths["md"].with_name(f"{paths['md'].stem}_{name}.md"))
               for name, r in by_dtype.items()]
     write_atomic(paths["md"], f"## dtypes, one interleaved run\n\n{comparison}\n\n" + "\n\n".join(tables) + "\n")

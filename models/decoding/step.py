@@ -18,7 +18,10 @@ with no host read and no host-to-device copy inside, so it can be
              addresses stay valid for every prompt),
 - `compile`: run under `torch.compile` (one compilation per shape; on a CPU it pays only where
              it measures faster than the eager kernels: bench runs with `--step compile` and
-             `--step eager` show which).
+             `--step eager` show which),
+- `compile_graph`: compiled (its elementwise ops fused into fewer kernels), then captured as a
+             CUDA graph and replayed (CUDA only; gpt-fast's `mode="reduce-overhead"`): a replay
+             costs per kernel, so fewer kernels is a shorter step where the step is host-bound.
 
 `eager` (no `ShapeStep`: the decoder's dynamic-shape forward on the growing slab) stays the
 exactness oracle. The prefill (the prompt) is always eager, on the same slab.
@@ -34,7 +37,8 @@ import torch
 
 from mtpkit.models.decoding.cache import StaticSlab
 
-STEPS = ("eager", "static", "graph", "compile")
+STEPS = ("eager", "static", "graph", "compile", "compile_graph")
+GRAPHED = ("graph", "compile_graph")  # the modes that capture CUDA graphs
 
 
 STEP_CHOICES = ("auto",) + STEPS  # what `--step` takes
@@ -70,8 +74,8 @@ def check_step(step: str, device: torch.device) -> None:
     """Refuse a step mode the device cannot run, in one line."""
     if step not in STEPS:
         raise ValueError(f"unknown step {step!r}; choose one of {', '.join(STEPS)}")
-    if step == "graph" and torch.device(device).type != "cuda":
-        raise ValueError(f"step 'graph' captures CUDA graphs; the target is on {device} (use static or compile)")
+    if step in GRAPHED and torch.device(device).type != "cuda":
+        raise ValueError(f"step {step!r} captures CUDA graphs; the target is on {device} (use static or compile)")
 
 
 class ShapeStep:
@@ -94,7 +98,7 @@ class ShapeStep:
         self.graph = None
         self.outputs = None
         self.compile_seconds = 0.0
-        self.fn = torch.compile(self.forward, **COMPILE) if mode == "compile" else self.forward
+        self.fn = torch.compile(self.forward, **COMPILE) if mode in ("compile", "compile_graph") else self.forward
 
     def forward(self):
         """Every row's (hidden, logits, argmax, shared hidden states or None) of this shape's step."""
@@ -125,13 +129,13 @@ class ShapeStep:
     def _capture(self) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: lazy inits and allocator state outside the capture
+        with torch.cuda.stream(side):  # warm-up: compilation, lazy inits and allocator state outside the capture
             for _ in range(2):
-                self.forward()
+                self.fn()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=self.pool):
-            self.outputs = self.forward()
+            self.outputs = self.fn()
 
     def run(self, ids: torch.Tensor, extras: torch.Tensor | None):
         """The step on `ids` ([n_ids] on the device: root, draft tokens) and `extras` ([M, d])."""
@@ -140,7 +144,7 @@ class ShapeStep:
             self.extras.copy_(extras, non_blocking=True)
         self.cache.write = self.write
         try:
-            if self.mode == "graph":
+            if self.mode in GRAPHED:
                 if self.graph is None:
                     started = time.perf_counter()
                     self._capture()
@@ -167,7 +171,7 @@ class StepBank:
         self.target, self.mode = target, mode
         self.cache = StaticSlab(target.config.num_hidden_layers, max_len, target.upload)
         self.steps: dict[tuple, ShapeStep] = {}
-        self.pool = torch.cuda.graph_pool_handle() if mode == "graph" else None
+        self.pool = torch.cuda.graph_pool_handle() if mode in GRAPHED else None
 
     @property
     def compile_seconds(self) -> float:

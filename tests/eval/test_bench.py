@@ -319,6 +319,30 @@ def test_rounds_repeat_the_interleaved_set_and_report_median_and_spread(tmp_path
     assert f"| {lo:.2f}-{hi:.2f} |" in table
 
 
+def test_a_stopped_run_keeps_its_finished_rounds_and_baselines_0_runs_only_the_listed(tmp_path, monkeypatch):
+    out = tmp_path / "results.json"
+    seen = []
+    real_write = bench.write_results
+
+    def stop_after_the_partial(*args, partial=None, **kwargs):
+        results = real_write(*args, partial=partial, **kwargs)
+        seen.append(json.loads(out.read_text()))
+        if partial is not None:
+            raise KeyboardInterrupt  # the run is stopped after its first round
+        return results
+
+    monkeypatch.setattr(bench, "write_results", stop_after_the_partial)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--backbone", "tiny-llama-random", "--data", "builtin:eval", "--per-category", "1",
+                    "--max-new-tokens", "6", "--methods", "ar", "pld", "--baselines", "0", "--rounds", "3",
+                    "--out", str(out)])
+    (kept,) = seen  # written after round 1, before the stop
+    assert kept["partial"] == "1 of 3 rounds" and kept["rounds"] == 1
+    assert list(kept["methods"]) == ["ar", "pld"]  # no hf_ar, no ar_stock
+    assert kept["methods"]["pld"]["matches_ar"] is True
+    assert not (tmp_path / "results.md").exists()  # the tables are the finished run's
+
+
 def test_a_busy_machine_is_warned_about_in_json_table_and_plot(tmp_path, monkeypatch):
     monkeypatch.setattr(bench.os, "getloadavg", lambda: (1000.0, 1000.0, 1000.0))
     out = tmp_path / "results.json"

@@ -172,9 +172,10 @@ def test_bad_step_settings_are_refused_in_one_line(tiny):
     model, _ = tiny
     with pytest.raises(ValueError, match="unknown step 'fast'"):
         Target(model, step="fast")
-    with pytest.raises(ValueError, match="captures CUDA graphs"):
-        Target(model, step="graph")
+    for graphed in ("graph", "compile_graph"):
+        with pytest.raises(ValueError, match=f"step '{graphed}' captures CUDA graphs"):
+            Target(model, step=graphed)
     target = Target(model, step="static", max_len=64)
     with pytest.raises(ValueError, match="do not fit the static cache's 64"):
         decode(target, Drafter(), PROMPT, 40)
-    assert set(STEPS) == {"eager", "static", "graph", "compile"}
+    assert set(STEPS) == {"eager", "static", "graph", "compile", "compile_graph"}
