@@ -146,8 +146,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "eager = dynamic shapes on the growing cache; static = one fixed-shape step per tree shape on "
                         "a static cache; compile = those steps under torch.compile (compiled at first use, the "
                         "seconds reported as compile_s); graph = captured as CUDA graphs (CUDA only); compile_graph = "
-                        "compiled, then captured (CUDA only: fewer kernels a replay); auto = graph "
-                        "on CUDA; on a CPU compile for AR and gated linear/quadratic chains once a run of this bench "
+                        "compiled, then captured (CUDA only: fewer kernels a replay); auto = on CUDA "
+                        "compile_graph for plain AR, graph for drafters; on a CPU compile for AR and gated linear/quadratic chains once a run of this bench "
                         "with ar and ar:step=compile measured the compiled step faster on this machine, eager "
                         "otherwise (models/decoding/step_plan.py); a method's own step=MODE overrides it "
                         "(default: %(default)s)")

@@ -115,8 +115,8 @@ class Runner:
     (if any) loads once, and the target's products are packed as the bench packs them (`linear`:
     see eval/bench.py --linear; `model` is changed in place). `drafter`: the method's drafter
     built already by `decoder_drafter` (as the CLI does, to check it before the model loads).
-    `step`: how decoding steps run (eval/bench.py --step; auto = CUDA graphs on CUDA; on a CPU
-    compiled steps where this machine measured them faster, `mtpkit.models.decoding.step_plan`), `max_len`: a static cache's positions (prompt + reply) for the fixed-step modes."""
+    `step`: how decoding steps run (eval/bench.py --step; auto = CUDA graphs on CUDA, plain AR's
+    compiled first; on a CPU compiled steps where this machine measured them faster, `mtpkit.models.decoding.step_plan`), `max_len`: a static cache's positions (prompt + reply) for the fixed-step modes."""
 
     def __init__(self, model, tokenizer, method: str = "ar", linear: str = "stock", fuse: bool = True,
                  drafter=None, step: str = "auto", max_len: int = 4096):
@@ -194,8 +194,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: %(default)s)")
     p.add_argument("--step", choices=STEP_CHOICES, default="auto",
                    help="how decoding steps run, as eval/bench.py --step: auto = captured CUDA graphs on CUDA "
-                        "(one per draft-tree shape, captured at first use), eager on a CPU; eager = dynamic shapes, "
-                        "static / compile = fixed-shape steps, run eagerly or under torch.compile (default: %(default)s)")
+                        "(one per draft-tree shape, captured at first use; plain AR's step compiled first), on a CPU "
+                        "compiled where this machine measured it faster, else eager; eager = dynamic shapes, "
+                        "static / compile = fixed-shape steps, run eagerly or under torch.compile; graph / "
+                        "compile_graph = captured, uncompiled or compiled (CUDA) (default: %(default)s)")
     p.add_argument("--max-len", type=int, default=4096,
                    help="with a fixed-step --step: the static cache's positions, prompt and reply together "
                         "(default: %(default)s)")

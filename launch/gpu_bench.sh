@@ -2,8 +2,8 @@
 # The decoding runtime on one device, measured against the machine's floor: the device probe
 # (a launch, a sync, a host read, copies, a graph replay; transformers' generate eager and with
 # its static cache + torch.compile), then one interleaved bench of mtpkit AR, transformers'
-# generate (eager and compiled), the probe at BC = 30 and, given a gated-LoRA head, its linear
-# k = 1 decoding and the 24-node tree, on HumanEval + GSM8K. Writes OUT/gpu_bench.json (both,
+# compiled generate (its eager one in the probe only: --baselines 0), the probe at BC = 30 and,
+# given a gated-LoRA head, its linear k = 1 decoding and the 24-node tree, on HumanEval + GSM8K. Writes OUT/gpu_bench.json (both,
 # with each method's ms a step against the floor) and OUT/gpu_bench.md (the table).
 #
 #   bash launch/gpu_bench.sh --humaneval H.jsonl.gz --gsm8k G.jsonl            # a GPU node
@@ -109,7 +109,7 @@ if [ -n "$HEAD" ]; then
 fi
 "$PY" eval/bench.py --backbone "$BACKBONE" --device "$DEVICE" --dtype "$DTYPE" --data "$HUMANEVAL" "$GSM8K" \
     --limit "$PROMPTS" --max-new-tokens "$TOKENS" --rounds "$ROUNDS" --floor "$OUT/device.json" \
-    --step "$STEP" --methods "${METHODS[@]}" --out "$OUT/bench/results.json"
+    --step "$STEP" --baselines 0 --methods "${METHODS[@]}" --out "$OUT/bench/results.json"
 
 log "3/3 the summary"
 "$PY" - "$OUT" <<'EOF'

@@ -57,16 +57,16 @@ class StepOptions:
 
 
 def resolve_step(step: str, device: torch.device, model=None, drafter=None) -> str:
-    """`auto`: captured CUDA graphs on CUDA; on a CPU compiled steps where this machine measured them
-    faster for `model` and `drafter` has few step shapes (`step_plan.cpu_step`), else eager. Any
-    other mode as given."""
+    """`auto`: on CUDA captured graphs, plain AR's compiled first (`step_plan.cuda_step`); on a CPU
+    compiled steps where this machine measured them faster for `model` and `drafter` has few step
+    shapes (`step_plan.cpu_step`), else eager. Any other mode as given."""
     if step != "auto":
         return step
+    from mtpkit.models.decoding.step_plan import cpu_step, cuda_step
     if torch.device(device).type == "cuda":
-        return "graph"
+        return cuda_step(drafter)
     if model is None:  # nothing measured to go by
         return "eager"
-    from mtpkit.models.decoding.step_plan import cpu_step
     return cpu_step(model, drafter)
 
 

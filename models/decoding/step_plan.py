@@ -1,5 +1,10 @@
-"""Which decoding step `auto` runs, per machine: captured graphs on CUDA; on a CPU compiled steps
-only where they were measured faster here.
+"""Which decoding step `auto` runs, per machine: captured graphs on CUDA (plain AR's compiled
+first); on a CPU compiled steps only where they were measured faster here.
+
+On CUDA a step is host-bound: a graph replay costs per kernel, and compiling the step first fuses
+its elementwise kernels, so plain AR's step runs compiled and captured (`compile_graph`: one
+compilation, its seconds reported apart). Drafters' steps are captured uncompiled (`graph`) until
+their compiled steps are measured on a GPU; `step=compile_graph` asks for it by hand.
 
 On a CPU `torch.compile`'s step pays on some machines and not on others, and it costs a
 compilation per step shape (about a minute on 2 cores). So on a CPU `auto` compiles a method's
@@ -64,6 +69,11 @@ def few_shapes(drafter) -> bool:
     if type(drafter).propose is Drafter.propose:
         return True
     return bool(getattr(drafter, "few_shapes", False))
+
+
+def cuda_step(drafter) -> str:
+    """`auto` on CUDA: plain AR's step compiled and captured, every drafter's captured."""
+    return "compile_graph" if drafter is not None and type(drafter).propose is Drafter.propose else "graph"
 
 
 def cpu_step(model, drafter) -> str:

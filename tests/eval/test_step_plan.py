@@ -44,5 +44,6 @@ def test_explicit_modes_pass_and_cuda_captures_graphs(tiny, plans):
     step_plan.record(model, eager_ms=50.0, compiled_ms=40.0, compile_s=30.0)
     assert resolve_step("eager", CPU, model, Drafter()) == "eager"
     assert resolve_step("static", CPU, model, PLDDrafter(PLDConfig())) == "static"
-    assert resolve_step("auto", torch.device("cuda"), model, Drafter()) == "graph"
+    assert resolve_step("auto", torch.device("cuda"), model, Drafter()) == "compile_graph"  # plain AR
+    assert resolve_step("auto", torch.device("cuda"), model, PLDDrafter(PLDConfig())) == "graph"
     assert resolve_step("auto", CPU) == "eager"  # no model: nothing measured to go by
