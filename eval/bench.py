@@ -343,8 +343,8 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
                                  args.temperature, args.top_p, setup.eos, generator)
                     run = dataclasses.asdict(res)
                     rows = decode_rows(res)
-                    if rows is not None:  # the floor of its rows, in the same conditions as its steps
-                        setup.floor_ms[spec].append(setup.floors[spec].ms(rows))
+                    if rows is not None:  # the floor of its steps' rows, in the same conditions as its steps
+                        setup.floor_ms[spec].append(setup.floors[spec].mix(rows))
                 runs[d][spec].append(run)
                 bar.update(1)
                 bar.set_postfix(method=spec, dtype=d, round=r + 1)
@@ -358,9 +358,9 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
 
 
 def step_floors(results: dict, setup: Setup, args) -> None:
-    """Each method's decoding step against its floors: `x_rows` = its mean step over a plain forward
-    of as many rows on its target's kernels (`mtpkit.eval.step_rows`: the median of the forwards
-    timed after each of its decodes, in the run; the rest is the loop's overhead), `x_floor` = over
+    """Each method's decoding step against its floors: `x_rows` = its mean step over plain forwards
+    of its steps' rows on its target's kernels (`mtpkit.eval.step_rows`: the median over its decodes
+    of each one's row mix, timed after it, in the run; the rest is the loop's overhead), `x_floor` = over
     the device probe's step floor (--floor); `compile_s` of a compiling baseline."""
     for spec, r in results["methods"].items():
         if spec in setup.compile_s:

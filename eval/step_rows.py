@@ -2,8 +2,11 @@
 
 A step of a method feeds R rows (root, drafts, masks) to the target; a plain forward of R new
 rows on the same target and kernels (the body on a KV cache, then the LM head over every row, no
-gate, no drafting, no acceptance) is the least that step can cost. The bench divides each
-method's mean decoding-step time by it (`x_rows`): 1.00 would be a loop with no overhead at all.
+gate, no drafting, no acceptance) is the least that step can cost. A decode's steps feed
+different R, and a kernel's cost is not linear in R (a CPU's kernel plan changes kernel with the
+row count), so a decode's floor is the mean of its steps' own row counts' forwards (the most
+frequent few, weighted by their steps: `RowsFloor.mix`). The bench divides each method's mean
+decoding-step time by it (`x_rows`): 1.00 would be a loop with no overhead at all.
 It times the floor between its decodes (`RowsFloor`), so the floor runs in the same conditions as
 the steps it divides (caches, clocks and load change over a run: a floor timed in a tight loop
 after the run is faster than the same forward inside it).
@@ -48,6 +51,12 @@ class RowsFloor:
         target.lm_head(hidden)
         self.cache.compact(self.cache_len, [])  # drop the rows again
 
+    def mix(self, steps: dict[int, int], most: int = 4) -> float:
+        """The floor of a decode whose steps fed `steps` (rows -> steps), in ms: one timed forward of
+        each of its `most` most frequent row counts, weighted by their steps."""
+        top = sorted(steps.items(), key=lambda kv: (-kv[1], kv[0]))[:most]
+        return sum(n * self.ms(rows) for rows, n in top) / sum(n for _, n in top)
+
     def ms(self, rows: int) -> float:
         """One timed forward of `rows` rows, in ms (a row count's first call is a warm-up first)."""
         device = self.target.device
@@ -61,10 +70,6 @@ class RowsFloor:
         return 1000 * (time.perf_counter() - started)
 
 
-def decode_rows(result: DecodeResult) -> int | None:
-    """A decode's mean rows a decoding step (the prefill step left out), rounded; None without one."""
-    steps = result.target_calls - (result.prefill_tokens > 0)
-    if steps <= 0:
-        return None
-    return max(1, round((result.forward_tokens - result.prefill_tokens) / steps))
-
+def decode_rows(result: DecodeResult) -> dict[int, int] | None:
+    """A decode's rows a decoding step -> its number of steps (the prefill step left out); None without one."""
+    return dict(result.step_rows) or None

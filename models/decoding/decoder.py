@@ -125,6 +125,7 @@ class DecodeResult:
     prefill_tokens: int = 0       # input positions of the first step (the prompt, and a first draft)
     prefill_seconds: float = 0.0  # the first step's time, drafting included: the rest are decoding steps
     compile_seconds: float = 0.0  # capturing or compiling fixed steps (`Target.step`), not in `seconds`
+    step_rows: dict[int, int] = field(default_factory=dict)  # rows a decoding step -> its steps (prefill out)
 
     @property
     def tau(self) -> float:
@@ -245,6 +246,8 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         result.forward_tokens += c + N + M
         if result.target_calls == 1:
             result.prefill_tokens = c + N + M
+        else:
+            result.step_rows[c + N + M] = result.step_rows.get(c + N + M, 0) + 1
 
         if lazy:
             computed: dict[int, torch.Tensor] = {}

@@ -22,13 +22,25 @@ def test_a_floor_forward_leaves_its_cache_as_it_found_it(tiny, cache):
     assert floor.warm == {1, 5}
 
 
-def test_decode_rows_is_the_mean_rows_of_the_decoding_steps(tiny):
-    """The prefill step is left out: AR's decoding steps are 1 row each, whatever the prompt length."""
+def test_decode_rows_counts_each_decoding_steps_rows(tiny):
+    """The prefill step is left out: AR's decoding steps are 1 row each, whatever the prompt length;
+    a drafter's steps are counted by their own row counts, which add up to its decoding rows."""
     model, _ = tiny
     prompt = list(range(10, 30)) * 2
     ar = decode(Target(model), Drafter(), prompt, 12)
-    assert ar.prefill_tokens >= len(prompt) and decode_rows(ar) == 1
+    assert ar.prefill_tokens >= len(prompt) and decode_rows(ar) == {1: ar.target_calls - 1}
     pld = decode(Target(model), PLDDrafter(PLDConfig(draft_len=4, ngram_max=2)), prompt, 12)
-    steps = pld.target_calls - 1
-    assert decode_rows(pld) == max(1, round((pld.forward_tokens - pld.prefill_tokens) / steps))
+    rows = decode_rows(pld)
+    assert len(rows) > 1  # the repeated prompt: some steps draft, some do not
+    assert sum(rows.values()) == pld.target_calls - 1
+    assert sum(r * n for r, n in rows.items()) == pld.forward_tokens - pld.prefill_tokens
     assert decode_rows(DecodeResult(tokens=[1], target_calls=1, forward_tokens=20, prefill_tokens=20)) is None
+
+
+def test_the_floor_of_a_row_mix_weights_each_row_counts_forward_by_its_steps(tiny, monkeypatch):
+    model, _ = tiny
+    floor = RowsFloor(Target(model), cache_len=30)
+    monkeypatch.setattr(floor, "ms", lambda rows: 10.0 * rows)  # a forward's time, known
+    assert floor.mix({1: 3, 4: 1}) == pytest.approx((3 * 10 + 40) / 4)  # not the forward of round(7/4) = 2 rows
+    # beyond the `most` most frequent row counts the rare ones are left out
+    assert floor.mix({1: 5, 2: 4, 3: 3, 4: 2, 50: 1}) == pytest.approx((50 + 80 + 90 + 80) / 14)
