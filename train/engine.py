@@ -323,6 +323,20 @@ class TrainClock:
         self.t0 += seconds
 
 
+def timed_eval(evaluate, step: int, clock: TrainClock, window, metrics) -> float:
+    """`evaluate()` (a trainer's simulated tau) kept off the training clock and the log window's
+    throughput; its metrics row (step, sim_tau, the training seconds before it, its own seconds)
+    written. Returns the tau."""
+    train_seconds = clock.seconds()
+    started = time.perf_counter()
+    tau = evaluate()
+    took = time.perf_counter() - started
+    metrics.write({"step": step, "sim_tau": tau, "train_seconds": train_seconds, "eval_seconds": took})
+    window.exclude(took)
+    clock.exclude(took)
+    return tau
+
+
 class Window:
     """What the micro-steps of one log interval add up to, over every process.
 

@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -205,15 +204,11 @@ def main(argv=None) -> dict:
             # ZeRO-3: every process decodes the same prompts (its forwards gather the split weights);
             # the same weights and inputs take the same greedy path, so the forwards match one for one
             if engine.evaluates_here(accelerator):
-                t0 = time.perf_counter()
                 with accelerator.autocast():  # as in training (a half-precision backbone needs it)
-                    result["sim_tau"] = simulated_tau(mtp, prompts, cfg, eos)
-                metrics.write({"step": step, "sim_tau": result["sim_tau"], "train_seconds": t0 - clock.t0,
-                               "eval_seconds": time.perf_counter() - t0})
+                    result["sim_tau"] = engine.timed_eval(lambda: simulated_tau(mtp, prompts, cfg, eos),
+                                                          step, clock, window, metrics)
                 log(f"[eval] step {step}: simulated tau {result['sim_tau']:.3f} ({cfg.eval_decoding}, "
                     f"{len(prompts)} prompts)")
-                window.exclude(time.perf_counter() - t0)  # evaluation time is not training throughput
-                clock.exclude(time.perf_counter() - t0)
             accelerator.wait_for_everyone()  # the others wait here
         if step % cfg.save_every == 0 or step == cfg.max_steps:
             save_checkpoint(accelerator, model, optimizer, cfg, step,

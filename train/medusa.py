@@ -277,15 +277,11 @@ def main(argv=None) -> dict:
             bar.set_postfix(loss=f"{means['loss']:.3f}", acc1=f"{means.get('acc_h1', math.nan):.2f}")
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps) and prompts:
             if engine.evaluates_here(accelerator):
-                t0 = time.perf_counter()
                 with accelerator.autocast():  # as in training (a half-precision backbone needs it)
-                    result["sim_tau"] = simulated_tau(heads, backbone, prompts, cfg, eos)
-                metrics.write({"step": step, "sim_tau": result["sim_tau"], "train_seconds": t0 - clock.t0,
-                               "eval_seconds": time.perf_counter() - t0})
+                    result["sim_tau"] = engine.timed_eval(lambda: simulated_tau(heads, backbone, prompts, cfg, eos),
+                                                          step, clock, window, metrics)
                 log(f"[eval] step {step}: simulated tau {result['sim_tau']:.3f} (tree {cfg.eval_tree or f'chain{K}'}, "
                     f"{len(prompts)} prompts)")
-                window.exclude(time.perf_counter() - t0)  # evaluation time is not training throughput
-                clock.exclude(time.perf_counter() - t0)
             accelerator.wait_for_everyone()
         if step % cfg.save_every == 0 or step == cfg.max_steps:
             save_checkpoint(accelerator, model, optimizer, cfg, step, {"micro_step": micro, "tokens_seen": tokens_seen,
