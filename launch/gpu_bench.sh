@@ -3,8 +3,10 @@
 # (a launch, a sync, a host read, copies, a graph replay; transformers' generate eager and with
 # its static cache + torch.compile), then one interleaved bench of mtpkit AR, transformers'
 # compiled generate (its eager one in the probe only: --baselines 0), the probe at BC = 30 and,
-# given a gated-LoRA head, its linear k = 1 decoding and the 24-node tree, on HumanEval + GSM8K. Writes OUT/gpu_bench.json (both,
-# with each method's ms a step against the floor) and OUT/gpu_bench.md (the table).
+# given a gated-LoRA head, its linear k = 1 decoding and the 24-node tree, on HumanEval + GSM8K; on
+# CUDA also AR on uncompiled graphs (auto compiles AR's) and the tree on compiled graphs. Writes
+# OUT/gpu_bench.json (both, with each method's ms a step against the floor) and OUT/gpu_bench.md
+# (the table); OUT/bench/results.json keeps each finished round if a time limit stops the run.
 #
 #   bash launch/gpu_bench.sh --humaneval H.jsonl.gz --gsm8k G.jsonl            # a GPU node
 #   bash launch/gpu_bench.sh --device cpu --backbone tiny-llama-random --prompts 1 --tokens 8 \
@@ -61,7 +63,7 @@ while [ $# -gt 0 ]; do
         --stage) STAGE=$2 ;;
         --staged) STAGED=$2 ;;
         --from) FROM=$2 ;;
-        -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
         *) echo "launch/gpu_bench.sh: unknown flag $1 (see --help)" >&2; exit 2 ;;
     esac
     shift 2 || { echo "launch/gpu_bench.sh: $1 needs a value" >&2; exit 2; }
@@ -104,8 +106,14 @@ log "1/3 the device probe"
 log "2/3 the bench"
 METHODS=(ar probe:bc=30)
 [ "$COMPILE" = 1 ] && METHODS+=(hf_ar:compile=1)
+CUDA=0  # on CUDA with --step auto: AR's uncompiled graphs beside auto's compiled ones, the tree compiled too
+if [ "$DEVICE" != cpu ] && [ "$STEP" = auto ]; then
+    CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
+fi
+[ "$CUDA" = 1 ] && METHODS+=(ar:step=graph)
 if [ -n "$HEAD" ]; then
     METHODS+=("gated_lora:head=$HEAD,decoding=linear,k=1" "gated_lora:head=$HEAD,tree=$TREE")
+    [ "$CUDA" = 1 ] && METHODS+=("gated_lora:head=$HEAD,tree=$TREE,step=compile_graph")
 fi
 "$PY" eval/bench.py --backbone "$BACKBONE" --device "$DEVICE" --dtype "$DTYPE" --data "$HUMANEVAL" "$GSM8K" \
     --limit "$PROMPTS" --max-new-tokens "$TOKENS" --rounds "$ROUNDS" --floor "$OUT/device.json" \
