@@ -37,7 +37,7 @@
 #                     CUDA graphs on CUDA, eager on a CPU; eager | static | compile | graph (default: auto)
 #   --out DIR         where everything goes; replaced (default: runs/gpu_bench)
 #   --python PY       interpreter (default: python)
-#   --stage DIR       write the two carry folders (see above) and exit
+#   --stage DIR       write the three carry folders (see above) and exit
 #   --staged DIR      the GGUF's two halves (calls 1 and 2); with --from, install before running
 #   --from DIR        the third carry folder (call 3's)
 set -euo pipefail
