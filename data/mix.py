@@ -53,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="keep each source's own answer as the assistant turn (other models' answers, Medusa-1's "
                         "setting) instead of prompts only (for data/distill.py)")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffle (default: %(default)s)")
+    p.add_argument("--exclude", nargs="+", default=[], metavar="JSONL",
+                   help="leave out, after the shuffle, every prompt whose id is in these .jsonl files (e.g. a "
+                        "distilled set, to write only prompts it does not have yet)")
     p.add_argument("--eval", type=int, default=0, metavar="N",
                    help="write the first N HumanEval and N GSM8K test prompts instead of the train mix "
                         "(default: %(default)s = the train mix)")
@@ -109,6 +112,15 @@ def main(argv=None) -> int:
     except (OSError, KeyError, ValueError) as e:
         print(f"error: {data_dir}: {e}", file=sys.stderr)
         return 2
+    excluded = set()
+    for path in args.exclude:
+        try:
+            excluded |= {json.loads(line)["id"] for line in Path(path).read_text(encoding="utf-8").splitlines()
+                         if line.strip()}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"error: --exclude {path}: {e}", file=sys.stderr)
+            return 2
+    records = [r for r in records if r["id"] not in excluded]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")

@@ -73,3 +73,17 @@ def test_answers_keeps_the_files_own_replies(data_dir, tmp_path):
     assert records == {"gsm8k-train-0": [{"role": "user", "content": "q0?"}, {"role": "assistant", "content": "#### 1"}],
                        "code-alpaca-0": [{"role": "user", "content": "do 0"}, {"role": "assistant", "content": "y"}],
                        "sharegpt-c4": [{"role": "user", "content": "hi" * 501}, {"role": "assistant", "content": "hello"}]}
+
+
+def test_exclude_leaves_out_the_ids_of_a_set_keeping_the_order(data_dir, tmp_path, capsys):
+    full, rest = tmp_path / "full.jsonl", tmp_path / "rest.jsonl"
+    assert mix.main(["--data-dir", str(data_dir), "--out", str(full)]) == 0
+    records = [json.loads(line) for line in full.read_text().splitlines()]
+    done = tmp_path / "done.jsonl"
+    done.write_text("".join(json.dumps({"id": r["id"], "messages": []}) + "\n" for r in records[::2]))
+    assert mix.main(["--data-dir", str(data_dir), "--out", str(rest), "--exclude", str(done)]) == 0
+    assert [json.loads(line) for line in rest.read_text().splitlines()] == records[1::2]  # same shuffle, same order
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    assert mix.main(["--data-dir", str(data_dir), "--out", str(rest), "--exclude", str(bad)]) == 2
+    assert "--exclude" in capsys.readouterr().err
