@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mtpkit.models.attention import use_grouped_sdpa
 from mtpkit.models.backbone import cache_dir
 from mtpkit.models.atomic_write import write_atomic
 from mtpkit.models.packed_linear import KERNELS, PACK_ROWS, PackedGroup, PackedLinear, cpu_paths, pack_linears
@@ -311,12 +312,15 @@ def tune(model: nn.Module, others=(), *, rows=ROWS, reps: int = REPS, cache_len:
 def pack_targets(model: nn.Module, others=(), linear: str = "auto", fuse: bool = True, retune: bool = False,
                  log=None) -> dict | None:
     """Pack `model` and every other target in `others` (adapted copies of it) for decoding
-    (`pack_linears`) and, with `linear="auto"`, give each its kernel plan (`tune`). Returns tune's
+    (`pack_linears`; on a CPU also `use_grouped_sdpa`) and, with `linear="auto"`, give each its
+    kernel plan (`tune`). Returns tune's
     record, or None (`linear` stock or onednn, nothing packed, or a GPU). Call it once every
     adapter is attached and before building the decoder's `Target`s."""
     distinct = {id(model): model, **{id(m): m for m in others}}
     for m in distinct.values():
         pack_linears(m, linear, fuse=fuse)
+        if linear != "stock":  # a CPU's masked multi-row steps on grouped KV heads (`mtpkit.models.attention`)
+            use_grouped_sdpa(m)
     if linear != "auto":
         return None
     return tune(model, [m for m in distinct.values() if m is not model], retune=retune, log=log)
