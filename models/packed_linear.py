@@ -248,12 +248,13 @@ class PackedGroup:
             return y[..., :O]
         if gate.span is not None and x.dim() == 3 and x.shape[0] == 1:
             s, e = gate.span
+            rows = y[0, s:e]  # one view of the gated rows, then its two column blocks (each view op is a dispatch)
             if self.batched is None:
-                y[0, s:e, :O].addmm_(y[0, s:e, O:], self.B)
+                rows[:, :O].addmm_(rows[:, O:], self.B)
             else:  # [m, rows, out / m] += [m, rows, r] @ [m, r, out / m], views of y
                 m, n = len(self.lora), e - s
-                y[0, s:e, :O].view(n, m, -1).transpose(0, 1).baddbmm_(
-                    y[0, s:e, O:].view(n, m, -1).transpose(0, 1), self.batched)
+                rows[:, :O].view(n, m, -1).transpose(0, 1).baddbmm_(rows[:, O:].view(n, m, -1).transpose(0, 1),
+                                                                    self.batched)
             return y[..., :O]  # a strided view: copying it out costs a visible share of a gated step
         return y[..., :O] + gate.scatter(gate.select(y[..., O:]) @ self.B, y[..., :O])
 
