@@ -146,9 +146,10 @@ def eager_forward(target: Target, drafter: Drafter, draft, cache, ids: torch.Ten
     embeds = target.embed(ids)[None]  # [1, c+N, d]
     if M:
         embeds = torch.cat([embeds, draft.extra_embeds.to(embeds)[None]], dim=1)
-    if all(p == i - 1 for i, p in enumerate(parents)):
-        # a plain chain (AR, prompt lookup): the model's own causal mask is exact and lets
-        # attention take its unmasked fast path
+    if all(p == i - 1 for i, p in enumerate(parents)) and (len(parents) == 1 or cache_len == 0):
+        # one row, or a chain on an empty cache (the prompt): no mask at all, attention's
+        # unmasked path (a chain of several rows on a cache takes the additive mask below:
+        # the model's own would be a boolean one, converted again in every layer)
         mask = None
         position_ids = torch.arange(cache_len, cache_len + len(parents), device=target.device)[None]
     else:
