@@ -21,6 +21,8 @@ import torch
 from mtpkit.eval.device_probe import sync
 from mtpkit.models.decoding.cache import new_cache
 from mtpkit.models.decoding.decoder import DecodeResult, Target
+from mtpkit.models.decoding.verify import attention_inputs
+from mtpkit.models.trees import tree_layout
 
 
 class RowsFloor:
@@ -36,18 +38,34 @@ class RowsFloor:
         self.new = torch.randint(0, vocab, (1, max_rows), generator=generator).to(device)
         # on EvaByte a step stays in its attention window (`draft_room`): rows past its end sit at its last position
         room = target.adapter.draft_room(cache_len)
+        self.windowed = room is not None
         self.positions = (cache_len + torch.arange(max_rows).clamp(max=max_rows if room is None else room))[None].to(device)
         self.cache = new_cache(target.cache, target.config, cache_len + max_rows)
         with torch.no_grad():
             target.body(input_ids=past, past_key_values=self.cache.hf, use_cache=True)
         self.cache.compact(cache_len, [])
         self.warm: set[int] = set()
+        self.masks: dict[int, torch.Tensor] = {}
+
+    def mask(self, rows: int) -> torch.Tensor | None:
+        """A chain of `rows` rows' additive mask, as the decoder gives a step of several rows (the
+        model's own would be a boolean one, converted in every layer); None for one row, and on a
+        target whose steps keep to an attention window (EvaByte: its own attention and masks)."""
+        if rows == 1 or self.windowed:
+            return None
+        found = self.masks.get(rows)
+        if found is None:
+            layout = tree_layout(tuple(range(-1, rows - 1)))
+            found = self.masks[rows] = attention_inputs((), self.cache_len, self.target.dtype, self.target.device,
+                                                        layout=layout)[0]
+        return found
 
     @torch.no_grad()
     def forward(self, rows: int) -> None:
         target = self.target
         hidden = target.body(input_ids=self.new[:, :rows], position_ids=self.positions[:, :rows],
-                             past_key_values=self.cache.hf, use_cache=True).last_hidden_state[0]
+                             attention_mask=self.mask(rows), past_key_values=self.cache.hf,
+                             use_cache=True).last_hidden_state[0]
         target.lm_head(hidden)
         self.cache.compact(self.cache_len, [])  # drop the rows again
 

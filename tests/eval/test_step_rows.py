@@ -2,6 +2,7 @@
 between decodes on the method's own target."""
 
 import pytest
+import torch
 
 from mtpkit.eval.step_rows import RowsFloor, decode_rows
 from mtpkit.models.decoding.decoder import DecodeResult, Target, decode
@@ -44,3 +45,19 @@ def test_the_floor_of_a_row_mix_weights_each_row_counts_forward_by_its_steps(tin
     assert floor.mix({1: 3, 4: 1}) == pytest.approx((3 * 10 + 40) / 4)  # not the forward of round(7/4) = 2 rows
     # beyond the `most` most frequent row counts the rare ones are left out
     assert floor.mix({1: 5, 2: 4, 3: 3, 4: 2, 50: 1}) == pytest.approx((50 + 80 + 90 + 80) / 14)
+
+
+def test_a_floor_of_several_rows_is_a_causal_chain_on_the_additive_mask(tiny):
+    """The floor's rows see the cache and the rows before them, as the decoder's chain steps do:
+    its hidden states equal the same forward under the model's own causal mask."""
+    model, _ = tiny
+    floor = RowsFloor(Target(model), cache_len=30)
+    assert floor.mask(1) is None and floor.mask(4).shape == (1, 1, 4, 34)
+    with torch.no_grad():
+        ours = model.model(input_ids=floor.new[:, :4], position_ids=floor.positions[:, :4], attention_mask=floor.mask(4),
+                           past_key_values=floor.cache.hf, use_cache=True).last_hidden_state
+        floor.cache.compact(30, [])
+        own = model.model(input_ids=floor.new[:, :4], position_ids=floor.positions[:, :4],
+                          past_key_values=floor.cache.hf, use_cache=True).last_hidden_state
+        floor.cache.compact(30, [])
+    assert torch.allclose(ours, own, atol=1e-6)
