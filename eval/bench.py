@@ -73,7 +73,7 @@ from mtpkit.models.backbone import (DEFAULT_BACKBONE, add_device_args, eos_token
                                     resolve_device, resolve_dtype)
 from mtpkit.models.decoding.drafter import StockAR
 from mtpkit.models.decoding.host_reads import counting_reads
-from mtpkit.models.decoding.step import STEP_CHOICES, resolve_step
+from mtpkit.models.decoding.step import COMPILED, STEP_CHOICES, resolve_step
 from mtpkit.models.evabyte.generate import evabyte_generate
 from mtpkit.models.generate import hf_static_compiled
 from mtpkit.models.process import run_script
@@ -308,7 +308,7 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
                                                setup.eos)["seconds"]
     for setup in setups.values():  # host reads a decoding step, counted on one untimed decode each
         for spec, drafter in setup.drafters.items():
-            if setup.targets[spec].step in ("compile", "compile_graph"):
+            if setup.targets[spec].step in COMPILED:
                 continue  # patching torch's read methods would make torch.compile recompile its steps
             with counting_reads(drafter) as steps:
                 decode(setup.targets[spec], drafter, prompts[0]["ids"], min(args.max_new_tokens, 32), args.temperature,

@@ -34,7 +34,8 @@
 #   --rounds N        timed rounds of the bench (default: 2)
 #   --compile 0|1     also time transformers' static cache + torch.compile (default: 1)
 #   --step S          how every method's decoding steps run (eval/bench.py --step): auto = captured
-#                     CUDA graphs on CUDA, eager on a CPU; eager | static | compile | graph (default: auto)
+#                     CUDA graphs on CUDA (AR's compiled), eager on a CPU; eager | static | compile |
+#                     graph | compile_graph (default: auto)
 #   --out DIR         where everything goes; replaced (default: runs/gpu_bench)
 #   --python PY       interpreter (default: python)
 #   --stage DIR       write the three carry folders (see above) and exit
@@ -63,7 +64,7 @@ while [ $# -gt 0 ]; do
         --stage) STAGE=$2 ;;
         --staged) STAGED=$2 ;;
         --from) FROM=$2 ;;
-        -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
         *) echo "launch/gpu_bench.sh: unknown flag $1 (see --help)" >&2; exit 2 ;;
     esac
     shift 2 || { echo "launch/gpu_bench.sh: $1 needs a value" >&2; exit 2; }
@@ -71,7 +72,7 @@ done
 cd "$(dirname "$0")/.."
 log() { echo "[gpu_bench $(date +%H:%M:%S)] $*"; }
 
-if [ -n "$STAGE" ]; then  # here: the two carry folders, each under 64 MiB
+if [ -n "$STAGE" ]; then  # here: the three carry folders, each under 64 MiB
     gguf=$("$PY" -c "from mtpkit.models.backbone import smollm2_gguf_path; print(smollm2_gguf_path())")
     rm -rf "$STAGE/a" "$STAGE/b" "$STAGE/c" && mkdir -p "$STAGE/a" "$STAGE/b" "$STAGE/c"
     split -n 2 -d "$gguf" "$STAGE/part"

@@ -39,6 +39,7 @@ from mtpkit.models.decoding.cache import StaticSlab
 
 STEPS = ("eager", "static", "graph", "compile", "compile_graph")
 GRAPHED = ("graph", "compile_graph")  # the modes that capture CUDA graphs
+COMPILED = ("compile", "compile_graph")  # the modes that run the step under torch.compile
 
 
 STEP_CHOICES = ("auto",) + STEPS  # what `--step` takes
@@ -98,7 +99,7 @@ class ShapeStep:
         self.graph = None
         self.outputs = None
         self.compile_seconds = 0.0
-        self.fn = torch.compile(self.forward, **COMPILE) if mode in ("compile", "compile_graph") else self.forward
+        self.fn = torch.compile(self.forward, **COMPILE) if mode in COMPILED else self.forward
 
     def forward(self):
         """Every row's (hidden, logits, argmax, shared hidden states or None) of this shape's step."""

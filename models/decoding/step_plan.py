@@ -63,17 +63,20 @@ def record(model, eager_ms: float, compiled_ms: float, compile_s: float) -> dict
     return entry
 
 
+def plain_ar(drafter) -> bool:
+    """Whether `drafter` never drafts (plain AR: the base `Drafter.propose`)."""
+    return drafter is not None and type(drafter).propose is Drafter.propose
+
+
 def few_shapes(drafter) -> bool:
-    """Whether `drafter`'s steps take few shapes (a compilation each): plain AR's one (a drafter
-    that never drafts), else the drafter's own `few_shapes` (False when it has none)."""
-    if type(drafter).propose is Drafter.propose:
-        return True
-    return bool(getattr(drafter, "few_shapes", False))
+    """Whether `drafter`'s steps take few shapes (a compilation each): plain AR's one, else the
+    drafter's own `few_shapes` (False when it has none)."""
+    return plain_ar(drafter) or bool(getattr(drafter, "few_shapes", False))
 
 
 def cuda_step(drafter) -> str:
     """`auto` on CUDA: plain AR's step compiled and captured, every drafter's captured."""
-    return "compile_graph" if drafter is not None and type(drafter).propose is Drafter.propose else "graph"
+    return "compile_graph" if plain_ar(drafter) else "graph"
 
 
 def cpu_step(model, drafter) -> str:
