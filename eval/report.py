@@ -26,8 +26,8 @@ __all__ = ["BASELINES", "BUSY_MARGIN", "MARK", "SPREAD_LIMIT", "TIE_TOLERANCE", 
 
 TIE_TOLERANCE = 1e-4  # top-2 target logits closer than this: a genuine floating-point near-tie
 # per-round timings reported as their median over the rounds
-TIMING = ("seconds", "tokens_per_s", "mean_step_ms", "target_ms_per_call", "decoder_overhead_share", "mu_lat",
-          "max_tokens_per_s", "decode_step_ms")
+TIMING = ("seconds", "tokens_per_s", "mean_step_ms", "target_ms_per_call", "decoder_overhead_share", "draft_share",
+          "mu_lat", "max_tokens_per_s", "decode_step_ms")
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -68,6 +68,8 @@ def _aggregate(runs: list[dict], ar_runs: list[dict], mismatches: list[dict] | N
                    mean_step_ms=round(1000 * seconds / calls, 2),
                    target_ms_per_call=round(1000 * target_s / calls, 2),
                    decoder_overhead_share=round(1 - target_s / seconds, 4),
+                   # of it, the drafter's own work (its heads, its draws): the rest is the loop's
+                   draft_share=round(sum(r.get("draft_seconds", 0.0) for r in runs) / seconds, 4),
                    mean_forward_tokens=round(sum(r["forward_tokens"] for r in runs) / calls, 2),
                    mean_draft_nodes=round(sum(r["draft_nodes"] for r in runs) / calls, 2),
                    # the MTPC paper's metrics: seconds per cycle, accepted draft tokens per cycle,

@@ -122,6 +122,7 @@ class DecodeResult:
     seconds: float = 0.0
     target_seconds: float = 0.0   # time inside the target (body forwards + LM head rows); the rest
                                   # is decoder bookkeeping and drafting
+    draft_seconds: float = 0.0    # time inside the drafter (`propose` and `observe`: its own heads' work)
     prefill_tokens: int = 0       # input positions of the first step (the prompt, and a first draft)
     prefill_seconds: float = 0.0  # the first step's time, drafting included: the rest are decoding steps
     compile_seconds: float = 0.0  # capturing or compiling fixed steps (`Target.step`), not in `seconds`
@@ -214,7 +215,10 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
     result = DecodeResult(tokens=[])      # last step's tensors (the bonus: the target's argmax)
     while len(result.tokens) < max_new_tokens:
         # a step stays in the target's attention window (EvaByte): a draft past its end is cut there
-        draft, restore = fit_window(target, drafter.propose(tokens), cache.length + len(context) - 1)
+        t0 = time.perf_counter()
+        proposed = drafter.propose(tokens)
+        result.draft_seconds += time.perf_counter() - t0
+        draft, restore = fit_window(target, proposed, cache.length + len(context) - 1)
         c, N, M = len(context), draft.num_nodes, draft.num_extras
         root, cache_len = c - 1, cache.length
         cache.reserve(c + N + M)
@@ -349,9 +353,11 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
             if depth == len(result.accept_counts):
                 result.accept_counts.append(0)
             result.accept_counts[depth] += 1
+        t0 = time.perf_counter()
         drafter.observe(restore(StepOutput(accepted=accepted, last_node=last, new_tokens=new, hidden=hidden,
                                            logits=logits, context_len=c, shared_hidden=shared, choices=choices,
                                            signal=signal)))
+        result.draft_seconds += time.perf_counter() - t0
         if result.target_calls == 1:
             result.prefill_seconds = time.perf_counter() - started - result.compile_seconds
         sent = len(result.tokens)  # what on_tokens has had

@@ -2,6 +2,7 @@
 decode statistics, KV-cache rollback, and exact speculative sampling."""
 
 import random
+import time
 from typing import NamedTuple
 
 import pytest
@@ -207,6 +208,23 @@ def test_stops_inside_an_accepted_path_at_eos_and_max_new_tokens(tiny_case):
     _, _, oracle, result = _decode_with_oracle(tiny_case, 0, eos_token_ids=[ref[at]])
     assert sum(len(s.new_tokens) for s in oracle.steps) > len(result.tokens), "setup: eos should be mid-step"
     assert result.tokens == expected
+
+
+def test_the_drafters_own_time_is_counted_apart(tiny_case):
+    """`draft_seconds` holds the drafter's `propose` and `observe`, and nothing of the target."""
+    target = tiny_case[0]
+
+    class Slow(Drafter):
+        def propose(self, tokens):
+            time.sleep(0.01)
+            return super().propose(tokens)
+
+        def observe(self, step):
+            time.sleep(0.005)
+
+    result = decode(target, Slow(), tiny_case[2][0], 4)
+    assert result.target_calls == 4 and 0.06 <= result.draft_seconds < result.seconds - result.target_seconds
+    assert decode(target, Drafter(), tiny_case[2][0], 4).draft_seconds < 0.01
 
 
 # --------------------------------------------------------------------------- 6. default backbone
