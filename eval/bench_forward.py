@@ -19,7 +19,11 @@ of the same kernels is named in a WARNING: it means the 1-token path is not the 
 
 With `--head DIR` (a gated-LoRA head), the same forwards of the head's gated copy on torch's own
 layers (`gated`), its adapter on for the last third of the new rows (`gated_rows`, as a decoding
-step's masks), so the adapter's cost reads off against the plain model's.
+step's masks), so the adapter's cost reads off against the plain model's; on a CPU also the copy
+as the bench decodes it (`gated_tuned`: packed, on its own plan, the A rows riding along in the
+groups' products) and the same copy with its adapter off (`gated_tuned_off`: the floor the bench's
+`x rows` divides a gated step by), which split a gated step's excess over `tuned` into the A rows'
+share and the gated rows' own products.
 
 On a GPU (`--device cuda`) there is no oneDNN and no plan: the stock forwards and `fused` (the
 packed groups `eval/bench.py --linear auto` decodes with there: q/k/v and gate/up as one
@@ -62,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="measure the kernel plan again (and cache it) even if this machine has one")
     p.add_argument("--out", default="runs/bench_forward.json", help="JSON output (default: %(default)s)")
     p.add_argument("--head", default=None,
-                   help="a gated-LoRA head folder (train/export.py): also time its gated copy (`gated`)")
+                   help="a gated-LoRA head folder (train/export.py): also time its gated copy (`gated`; on a CPU also "
+                        "`gated_tuned` and `gated_tuned_off`, packed on its own plan)")
     p.add_argument("--device", default="cpu", metavar=DEVICE_CHOICES,
                    help="where to time: the CPU (packed kernels and their plan too) or a GPU (stock and "
                         "fused forwards, with --head gated ones on both) (default: %(default)s)")
@@ -116,12 +121,16 @@ def main(argv=None) -> dict:
     if args.head:
         from mtpkit.models.gated_lora import load_head, to_inference
 
-        copies = ["gated"] + (["gated_fused"] if "fused" in kinds else [])
+        copies = ["gated"] + (["gated_fused"] if "fused" in kinds else []) + (["gated_tuned"] if "tuned" in kinds else [])
         for kind in copies:
             lean = to_inference(load_head(args.head, copy.deepcopy(model).cpu())).to(device)
-            if kind == "gated_fused":
+            if kind in ("gated_fused", "gated_tuned"):
                 pack_linears(lean.peft.get_base_model(), "auto")
+            if kind == "gated_tuned":  # the copy's own plan, as the bench decodes it
+                tune(kinds["tuned"], [lean.peft.get_base_model()], retune=args.retune)
             kinds[kind], gates[kind] = lean.peft.get_base_model(), lean.gate
+        if "gated_tuned" in kinds:  # the same copy with its adapter off: its A rows still in the products
+            kinds["gated_tuned_off"] = kinds["gated_tuned"]
 
     vocab = model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(0)

@@ -204,6 +204,28 @@ def test_bench_forward_times_a_heads_gated_copy(tmp_path, tiny):
     assert all(res["median_ms"][kind][t] > 0 for kind in ("stock", "gated") for t in (1, 4))
 
 
+def test_bench_forward_times_the_gated_copy_as_the_bench_decodes_it(tmp_path, tiny, monkeypatch):
+    """On a CPU with packed layers: the gated copy packed on its own plan, adapter on and off."""
+    from mtpkit.eval import bench_forward
+    from mtpkit.models import kernel_plan
+    from mtpkit.models.gated_lora import save_head
+    from tests.models.test_gated_lora import make_gated
+
+    monkeypatch.setattr("mtpkit.models.packed_linear.MIN_PACK", 0)
+    tuned = []
+    real_tune = kernel_plan.tune
+    monkeypatch.setattr(bench_forward, "tune", lambda model, others=(), **kw: tuned.append(list(others))
+                        or real_tune(model, others, **kw))
+    save_head(make_gated(tiny[0], k=2, rank=4), tmp_path / "head", "tiny-llama-random")
+    res = bench_forward.main(["--backbone", "tiny-llama-random", "--cache", "8", "--tokens", "1", "3", "--reps", "3",
+                              "--head", str(tmp_path / "head"), "--out", str(tmp_path / "fwd.json")])
+    assert set(res["median_ms"]) == {"stock", "onednn", "tuned", "gated", "gated_tuned", "gated_tuned_off"}
+    assert all(v > 0 for kind in ("gated_tuned", "gated_tuned_off") for v in res["median_ms"][kind].values())
+    copy = tuned[-1][0]  # the copy got a plan of its own, over groups carrying its A rows and gate
+    groups = [g for g in kernel_plan.groups_of(copy)["body"]]
+    assert groups and all(g.plan is not None for g in groups) and any(g.gate is not None for g in groups)
+
+
 def test_bench_forward_off_the_cpu_times_the_fused_groups(tmp_path, tiny, monkeypatch):
     """A GPU's kinds (made here on CPU tensors with `cpu_paths` answering False): stock and fused,
     and with --head the gated copy on torch's layers and packed the same way; no kernel plan."""
