@@ -23,7 +23,8 @@ def machine_cores() -> int:
 def step_floors(results: dict, setup, args) -> None:
     """Each method's decoding step against its floors: `x_rows` = its mean step over plain forwards
     of its steps' rows on its target's kernels (`mtpkit.eval.step_rows`: the median over its decodes
-    of each one's row mix, timed after it, in the run; the rest is the loop's overhead), `x_floor` = over
+    of each one's row mix, timed after it, in the run), `x_loop` = the same with the drafter's own work
+    (`decode_draft_ms`: its heads) taken out, what the loop adds to the rows, `x_floor` = over
     the device probe's step floor (--floor); `compile_s` of a compiling baseline."""
     for spec, r in results["methods"].items():
         if spec in setup.compile_s:
@@ -38,6 +39,8 @@ def step_floors(results: dict, setup, args) -> None:
             continue
         r["rows_ms"] = round(statistics.median(setup.floor_ms[spec]), 3)
         r["x_rows"] = round(r["decode_step_ms"] / r["rows_ms"], 4)
+        if r.get("decode_draft_ms") is not None:  # the same with the drafter's own work taken out: the loop's
+            r["x_loop"] = round((r["decode_step_ms"] - r["decode_draft_ms"]) / r["rows_ms"], 4)
         if getattr(args, "floor_ms", None):
             r["x_floor"] = round(r["decode_step_ms"] / args.floor_ms, 4)
 

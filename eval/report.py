@@ -27,7 +27,7 @@ __all__ = ["BASELINES", "BUSY_MARGIN", "MARK", "SPREAD_LIMIT", "TIE_TOLERANCE", 
 TIE_TOLERANCE = 1e-4  # top-2 target logits closer than this: a genuine floating-point near-tie
 # per-round timings reported as their median over the rounds
 TIMING = ("seconds", "tokens_per_s", "mean_step_ms", "target_ms_per_call", "decoder_overhead_share", "draft_share",
-          "mu_lat", "max_tokens_per_s", "decode_step_ms")
+          "mu_lat", "max_tokens_per_s", "decode_step_ms", "decode_draft_ms")
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -80,6 +80,8 @@ def _aggregate(runs: list[dict], ar_runs: list[dict], mismatches: list[dict] | N
         if "prefill_seconds" in runs[0] and decode_calls > 0:
             # the steps after the first (prefill): their mean time and rows, what `x_rows` compares
             out.update(decode_step_ms=round(1000 * (seconds - sum(r["prefill_seconds"] for r in runs)) / decode_calls, 3),
+                       decode_draft_ms=round(1000 * sum(r.get("draft_seconds", 0.0) - r.get("prefill_draft_seconds", 0.0)
+                                                        for r in runs) / decode_calls, 3),
                        decode_rows=round((sum(r["forward_tokens"] for r in runs)
                                           - sum(r["prefill_tokens"] for r in runs)) / decode_calls, 2))
     else:

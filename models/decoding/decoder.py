@@ -123,6 +123,7 @@ class DecodeResult:
     target_seconds: float = 0.0   # time inside the target (body forwards + LM head rows); the rest
                                   # is decoder bookkeeping and drafting
     draft_seconds: float = 0.0    # time inside the drafter (`propose` and `observe`: its own heads' work)
+    prefill_draft_seconds: float = 0.0  # of it, within the first step (`prefill_seconds`)
     prefill_tokens: int = 0       # input positions of the first step (the prompt, and a first draft)
     prefill_seconds: float = 0.0  # the first step's time, drafting included: the rest are decoding steps
     compile_seconds: float = 0.0  # capturing or compiling fixed steps (`Target.step`), not in `seconds`
@@ -360,6 +361,7 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         result.draft_seconds += time.perf_counter() - t0
         if result.target_calls == 1:
             result.prefill_seconds = time.perf_counter() - started - result.compile_seconds
+            result.prefill_draft_seconds = result.draft_seconds
         sent = len(result.tokens)  # what on_tokens has had
         tokens += new
         result.tokens += new

@@ -224,6 +224,8 @@ def test_the_drafters_own_time_is_counted_apart(tiny_case):
 
     result = decode(target, Slow(), tiny_case[2][0], 4)
     assert result.target_calls == 4 and 0.06 <= result.draft_seconds < result.seconds - result.target_seconds
+    # the first step's propose and observe (the prefill's), apart from the decoding steps'
+    assert 0.015 <= result.prefill_draft_seconds <= result.draft_seconds - 0.045
     assert decode(target, Drafter(), tiny_case[2][0], 4).draft_seconds < 0.01
 
 

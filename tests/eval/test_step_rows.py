@@ -61,3 +61,16 @@ def test_a_floor_of_several_rows_is_a_causal_chain_on_the_additive_mask(tiny):
                           past_key_values=floor.cache.hf, use_cache=True).last_hidden_state
         floor.cache.compact(30, [])
     assert torch.allclose(ours, own, atol=1e-6)
+
+
+def test_x_loop_takes_the_drafters_own_time_out_of_x_rows():
+    from types import SimpleNamespace
+
+    from mtpkit.eval.bench_results import step_floors
+
+    setup = SimpleNamespace(compile_s={}, targets={}, host_reads={}, floor_ms={"m": [10.0, 12.0, 11.0], "ar": [5.0]})
+    results = {"methods": {"m": {"decode_step_ms": 13.0, "decode_draft_ms": 2.0}, "ar": {"decode_step_ms": 5.5}}}
+    step_floors(results, setup, SimpleNamespace())
+    m, ar = results["methods"]["m"], results["methods"]["ar"]
+    assert m["rows_ms"] == 11.0 and m["x_rows"] == round(13 / 11, 4) and m["x_loop"] == 1.0
+    assert ar["x_rows"] == 1.1 and "x_loop" not in ar  # no drafting time recorded: no claim about it
