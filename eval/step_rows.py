@@ -5,8 +5,8 @@ rows on the same target and kernels (the body on a KV cache, then the LM head ov
 gate, no drafting, no acceptance) is the least that step can cost. A decode's steps feed
 different R, and a kernel's cost is not linear in R (a CPU's kernel plan changes kernel with the
 row count), so a decode's floor is the mean of its steps' own row counts' forwards (the most
-frequent few, weighted by their steps: `RowsFloor.mix`). The bench divides each method's mean
-decoding-step time by it (`x_rows`): 1.00 would be a loop with no overhead at all.
+frequent few, weighted by their steps: `RowsFloor.mix`; each the median of 3 forwards). The bench
+divides each method's mean decoding-step time by it (`x_rows`): 1.00 would be a loop with no overhead at all.
 It times the floor between its decodes (`RowsFloor`), so the floor runs in the same conditions as
 the steps it divides (caches, clocks and load change over a run: a floor timed in a tight loop
 after the run is faster than the same forward inside it).
@@ -14,6 +14,7 @@ after the run is faster than the same forward inside it).
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -75,17 +76,22 @@ class RowsFloor:
         top = sorted(steps.items(), key=lambda kv: (-kv[1], kv[0]))[:most]
         return sum(n * self.ms(rows) for rows, n in top) / sum(n for _, n in top)
 
-    def ms(self, rows: int) -> float:
-        """One timed forward of `rows` rows, in ms (a row count's first call is a warm-up first)."""
+    def ms(self, rows: int, repeats: int = 3) -> float:
+        """The median of `repeats` timed forwards of `rows` rows, in ms (a row count's first call is a
+        warm-up first): one forward's time wanders by several percent on a CPU, more than the loop's
+        overhead that the floor is there to show."""
         device = self.target.device
         if rows not in self.warm:
             self.forward(rows)
             self.warm.add(rows)
-        sync(device)
-        started = time.perf_counter()
-        self.forward(rows)
-        sync(device)
-        return 1000 * (time.perf_counter() - started)
+        times = []
+        for _ in range(repeats):
+            sync(device)
+            started = time.perf_counter()
+            self.forward(rows)
+            sync(device)
+            times.append(1000 * (time.perf_counter() - started))
+        return statistics.median(times)
 
 
 def decode_rows(result: DecodeResult) -> dict[int, int] | None:
