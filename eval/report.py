@@ -68,8 +68,6 @@ def _aggregate(runs: list[dict], ar_runs: list[dict], mismatches: list[dict] | N
                    mean_step_ms=round(1000 * seconds / calls, 2),
                    target_ms_per_call=round(1000 * target_s / calls, 2),
                    decoder_overhead_share=round(1 - target_s / seconds, 4),
-                   # of it, the drafter's own work (its heads, its draws): the rest is the loop's
-                   draft_share=round(sum(r.get("draft_seconds", 0.0) for r in runs) / seconds, 4),
                    mean_forward_tokens=round(sum(r["forward_tokens"] for r in runs) / calls, 2),
                    mean_draft_nodes=round(sum(r["draft_nodes"] for r in runs) / calls, 2),
                    # the MTPC paper's metrics: seconds per cycle, accepted draft tokens per cycle,
@@ -80,10 +78,14 @@ def _aggregate(runs: list[dict], ar_runs: list[dict], mismatches: list[dict] | N
         if "prefill_seconds" in runs[0] and decode_calls > 0:
             # the steps after the first (prefill): their mean time and rows, what `x_rows` compares
             out.update(decode_step_ms=round(1000 * (seconds - sum(r["prefill_seconds"] for r in runs)) / decode_calls, 3),
-                       decode_draft_ms=round(1000 * sum(r.get("draft_seconds", 0.0) - r.get("prefill_draft_seconds", 0.0)
-                                                        for r in runs) / decode_calls, 3),
                        decode_rows=round((sum(r["forward_tokens"] for r in runs)
                                           - sum(r["prefill_tokens"] for r in runs)) / decode_calls, 2))
+        if "draft_seconds" in runs[0]:  # the drafter's own work (its heads, its draws): the rest is the loop's
+            draft_s = sum(r["draft_seconds"] for r in runs)
+            out["draft_share"] = round(draft_s / seconds, 4)
+            if decode_calls > 0:
+                out["decode_draft_ms"] = round(1000 * (draft_s - sum(r["prefill_draft_seconds"] for r in runs))
+                                               / decode_calls, 3)
     else:
         out.update(tau=None, target_calls=None, accept_counts=None)
     if "target_seconds" in runs[0] and "target_seconds" in ar_runs[0]:

@@ -222,7 +222,7 @@ def test_bench_forward_times_the_gated_copy_as_the_bench_decodes_it(tmp_path, ti
     assert set(res["median_ms"]) == {"stock", "onednn", "tuned", "gated", "gated_tuned", "gated_tuned_off"}
     assert all(v > 0 for kind in ("gated_tuned", "gated_tuned_off") for v in res["median_ms"][kind].values())
     copy = tuned[-1][0]  # the copy got a plan of its own, over groups carrying its A rows and gate
-    groups = [g for g in kernel_plan.groups_of(copy)["body"]]
+    groups = kernel_plan.groups_of(copy)["body"]
     assert groups and all(g.plan is not None for g in groups) and any(g.gate is not None for g in groups)
 
 
