@@ -68,7 +68,7 @@ from mtpkit.data.jsonl import check_output_file
 from mtpkit.models.decoding.decoder import Target, decode
 from mtpkit.eval.bench_results import write_results
 from mtpkit.eval.specs import MethodError, build_drafter, methods_help, parse_method
-from mtpkit.eval.step_rows import RowsFloor, decode_rows
+from mtpkit.eval.step_rows import RowsFloor, decode_floors
 from mtpkit.models.backbone import (DEFAULT_BACKBONE, add_device_args, eos_token_ids, load_backbone,
                                     resolve_device, resolve_dtype)
 from mtpkit.models.decoding.drafter import StockAR
@@ -244,7 +244,7 @@ class Setup:
     compile_s: dict = dataclasses.field(default_factory=dict)  # spec -> seconds of its first (compiling) call
     host_reads: dict = dataclasses.field(default_factory=dict)  # spec -> mean host reads a decoding step
     floors: dict = dataclasses.field(default_factory=dict)  # spec -> RowsFloor on its target (the x_rows floor)
-    floor_ms: dict = dataclasses.field(default_factory=dict)  # spec -> [ms of its rows' plain forward, per decode]
+    floor_ms: dict = dataclasses.field(default_factory=dict)  # spec -> [`decode_floors` of each of its decodes]
 
 
 def build(args, device: torch.device, dtype: torch.dtype) -> Setup:
@@ -334,9 +334,9 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
                     res = decode(setup.targets[spec], setup.drafters[spec], prompt["ids"], args.max_new_tokens,
                                  args.temperature, args.top_p, setup.eos, generator)
                     run = dataclasses.asdict(res)
-                    rows = decode_rows(res)
-                    if rows is not None:  # the floor of its steps' rows, in the same conditions as its steps
-                        setup.floor_ms[spec].append(setup.floors[spec].mix(rows))
+                    floors = decode_floors(setup.floors[spec], res)  # its steps' floors, in the same conditions
+                    if floors is not None:
+                        setup.floor_ms[spec].append(floors)
                 runs[d][spec].append(run)
                 bar.update(1)
                 bar.set_postfix(method=spec, dtype=d, round=r + 1)

@@ -21,11 +21,12 @@ def machine_cores() -> int:
 
 
 def step_floors(results: dict, setup, args) -> None:
-    """Each method's decoding step against its floors: `x_rows` = its mean step over plain forwards
-    of its steps' rows on its target's kernels (`mtpkit.eval.step_rows`: the median over its decodes
-    of each one's row mix, timed after it, in the run), `x_loop` = the same with the drafter's own work
-    (`decode_draft_ms`: its heads) taken out, what the loop adds to the rows, `x_floor` = over
-    the device probe's step floor (--floor); `compile_s` of a compiling baseline."""
+    """Each method's decoding step against its floors (`mtpkit.eval.step_rows`, per decode: its
+    median steps of its most frequent shapes over plain forwards of the same shapes on its target's
+    kernels, timed after it in the run; the median over its decodes): `x_rows`, and `x_loop`, the
+    same with the method's own model work taken out (the drafter's time from its steps, a gated
+    adapter's mask rows gated in the floor): what the loop adds. `x_floor` = its mean step over the
+    device probe's step floor (--floor); `compile_s` of a compiling baseline."""
     for spec, r in results["methods"].items():
         if spec in setup.compile_s:
             r["compile_s"] = round(setup.compile_s[spec], 2)
@@ -37,10 +38,12 @@ def step_floors(results: dict, setup, args) -> None:
             r["host_reads_step"] = round(setup.host_reads[spec], 2)
         if r.get("decode_step_ms") is None or not setup.floor_ms.get(spec):
             continue
-        r["rows_ms"] = round(statistics.median(setup.floor_ms[spec]), 3)
-        r["x_rows"] = round(r["decode_step_ms"] / r["rows_ms"], 4)
-        if r.get("decode_draft_ms") is not None:  # the same with the drafter's own work taken out: the loop's
-            r["x_loop"] = round((r["decode_step_ms"] - r["decode_draft_ms"]) / r["rows_ms"], 4)
+        floors = setup.floor_ms[spec]
+        r["rows_ms"] = round(statistics.median(f["rows"] for f in floors), 3)
+        r["x_rows"] = round(statistics.median(f["step"] / f["rows"] for f in floors), 4)
+        if r.get("decode_draft_ms") is not None:  # the drafter's time recorded: the loop's share, apart
+            r["own_rows_ms"] = round(statistics.median(f["own"] for f in floors), 3)
+            r["x_loop"] = round(statistics.median(f["loop"] / f["own"] for f in floors), 4)
         if getattr(args, "floor_ms", None):
             r["x_floor"] = round(r["decode_step_ms"] / args.floor_ms, 4)
 

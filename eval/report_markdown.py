@@ -118,7 +118,7 @@ def markdown_table(results: dict, per_cycle: bool = True, lead: list[str] = ()) 
     lines += ["| method | tau | tokens/s | speed-up vs AR | " + ("spread | " if spread else "")
               + ("vs stock AR | " if stock else "")
               + "speed-up / tau | step ms | target ms/call | " + ("step cost vs AR | " if cost else "")
-              + ("x rows | " if rows else "") + ("x rows, draft apart | " if loop else "")
+              + ("x rows | " if rows else "") + ("x rows, own work apart | " if loop else "")
               + ("x floor | " if floor else "") + ("host reads | " if reads else "")
               + "decoder overhead | matches AR |",
               "|---|---|---|---|---|---|---|---|---|" + ("---|" if spread else "") + ("---|" if stock else "")

@@ -5,15 +5,20 @@ rows on the same target and kernels (the body on a KV cache, then the LM head ov
 gate, no drafting, no acceptance) is the least that step can cost. A decode's steps feed
 different R, and a kernel's cost is not linear in R (a CPU's kernel plan changes kernel with the
 row count), so a decode's floor is the mean of its steps' own row counts' forwards (the most
-frequent few, weighted by their steps: `RowsFloor.mix`; each the median of 3 forwards). The bench
-divides each method's mean decoding-step time by it (`x_rows`): 1.00 would be a loop with no overhead at all.
-It times the floor between its decodes (`RowsFloor`), so the floor runs in the same conditions as
-the steps it divides (caches, clocks and load change over a run: a floor timed in a tight loop
-after the run is faster than the same forward inside it).
+frequent few, weighted by their steps: `RowsFloor.mix`; each the median of 3 forwards), and its
+steps are taken the same way: the median step of each of those row counts (`step_mix`), so both
+sides are one statistic (a host stall that lengthens a few steps moves a mean, not a median).
+The bench divides the one by the other per decode (`x_rows`: 1.00 would be a loop with no
+overhead at all), and the same without the method's own model work (`x_loop`): the drafter's time
+taken out of its steps, and a gated adapter's mask rows gated in the floor (`RowsFloor.own`).
+It times the floor between its decodes, so the floor runs in the same conditions as the steps it
+divides (caches, clocks and load change over a run: a floor timed in a tight loop after the run is
+faster than the same forward inside it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -45,7 +50,7 @@ class RowsFloor:
         with torch.no_grad():
             target.body(input_ids=past, past_key_values=self.cache.hf, use_cache=True)
         self.cache.compact(cache_len, [])
-        self.warm: set[int] = set()
+        self.warm: set[tuple[int, int]] = set()
         self.masks: dict[int, torch.Tensor] = {}
 
     def mask(self, rows: int) -> torch.Tensor | None:
@@ -61,39 +66,77 @@ class RowsFloor:
                                                         layout=layout)[0]
         return found
 
+    @property
+    def own(self) -> bool:
+        """Whether the target's own work differs from plain rows: a gated adapter, on for a step's
+        extra rows (its mask tokens); their forward is then timed apart for `x_loop`."""
+        return self.target.gate is not None
+
     @torch.no_grad()
-    def forward(self, rows: int) -> None:
+    def forward(self, rows: int, gated: int = 0) -> None:
+        """`rows` new rows; with `gated`, the adapter on for the last `gated` of them, as a step gates
+        its mask tokens."""
         target = self.target
-        hidden = target.body(input_ids=self.new[:, :rows], position_ids=self.positions[:, :rows],
-                             attention_mask=self.mask(rows), past_key_values=self.cache.hf,
-                             use_cache=True).last_hidden_state[0]
+        context = target.gate.suffix(rows - gated, rows) if gated and self.own else contextlib.nullcontext()
+        with context:
+            hidden = target.body(input_ids=self.new[:, :rows], position_ids=self.positions[:, :rows],
+                                 attention_mask=self.mask(rows), past_key_values=self.cache.hf,
+                                 use_cache=True).last_hidden_state[0]
         target.lm_head(hidden)
         self.cache.compact(self.cache_len, [])  # drop the rows again
 
-    def mix(self, steps: dict[int, int], most: int = 4) -> float:
-        """The floor of a decode whose steps fed `steps` (rows -> steps), in ms: one timed forward of
-        each of its `most` most frequent row counts, weighted by their steps."""
-        top = sorted(steps.items(), key=lambda kv: (-kv[1], kv[0]))[:most]
-        return sum(n * self.ms(rows) for rows, n in top) / sum(n for _, n in top)
+    def mix(self, shapes: dict[tuple[int, int], int], gated: bool = False) -> float:
+        """The floor of a decode's steps of `shapes` ((rows, extras) -> steps, as `top_shapes` picks
+        them), in ms: each shape's forward, weighted by its steps; with `gated`, each shape's extra
+        rows gated (the adapter's own work in the floor)."""
+        return sum(n * self.ms(rows, extras if gated else 0) for (rows, extras), n in shapes.items()) / \
+            sum(shapes.values())
 
-    def ms(self, rows: int, repeats: int = 3) -> float:
-        """The median of `repeats` timed forwards of `rows` rows, in ms (a row count's first call is a
-        warm-up first): one forward's time wanders by several percent on a CPU, more than the loop's
-        overhead that the floor is there to show."""
+    def ms(self, rows: int, gated: int = 0, repeats: int = 3) -> float:
+        """The median of `repeats` timed forwards of `rows` rows (`gated` of them gated), in ms (a
+        shape's first call is a warm-up first): one forward's time wanders by several percent on a
+        CPU, more than the loop's overhead that the floor is there to show."""
         device = self.target.device
-        if rows not in self.warm:
-            self.forward(rows)
-            self.warm.add(rows)
+        if (rows, gated) not in self.warm:
+            self.forward(rows, gated)
+            self.warm.add((rows, gated))
         times = []
         for _ in range(repeats):
             sync(device)
             started = time.perf_counter()
-            self.forward(rows)
+            self.forward(rows, gated)
             sync(device)
             times.append(1000 * (time.perf_counter() - started))
         return statistics.median(times)
 
 
-def decode_rows(result: DecodeResult) -> dict[int, int] | None:
-    """A decode's rows a decoding step -> its number of steps (the prefill step left out); None without one."""
-    return dict(result.step_rows) or None
+def top_shapes(result: DecodeResult, most: int = 4) -> dict[tuple[int, int], int]:
+    """A decode's `most` most frequent step shapes, (rows, extras) -> steps (prefill out); {} without a step."""
+    counts: dict[tuple[int, int], int] = {}
+    for rows, extras, _, _ in result.step_times:
+        counts[rows, extras] = counts.get((rows, extras), 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:most])
+
+
+def step_mix(result: DecodeResult, shapes: dict[tuple[int, int], int], drafting: bool = False) -> float:
+    """A decode's steps over `shapes` in ms, as `RowsFloor.mix` takes its forwards: each shape's
+    median step, weighted by its steps; with `drafting` False, each step less its drafter's time."""
+    total = 0.0
+    for shape, n in shapes.items():
+        times = [seconds - (0.0 if drafting else drafted)
+                 for rows, extras, seconds, drafted in result.step_times if (rows, extras) == shape]
+        total += n * 1000 * statistics.median(times)
+    return total / sum(shapes.values())
+
+
+def decode_floors(floor: RowsFloor, result: DecodeResult) -> dict | None:
+    """One decode against its floors, timed now: `rows` (its shapes' plain forwards), `own` (gated as
+    its steps gate them; the plain ones without an adapter), `step` (its median steps) and `loop`
+    (the same less the drafter's time), in ms; None without a decoding step."""
+    shapes = top_shapes(result)
+    if not shapes:
+        return None
+    rows = floor.mix(shapes)
+    own = floor.mix(shapes, gated=True) if floor.own and any(extras for _, extras in shapes) else rows
+    return {"rows": rows, "own": own, "step": step_mix(result, shapes, drafting=True),
+            "loop": step_mix(result, shapes)}

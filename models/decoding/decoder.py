@@ -127,7 +127,9 @@ class DecodeResult:
     prefill_tokens: int = 0       # input positions of the first step (the prompt, and a first draft)
     prefill_seconds: float = 0.0  # the first step's time, drafting included: the rest are decoding steps
     compile_seconds: float = 0.0  # capturing or compiling fixed steps (`Target.step`), not in `seconds`
-    step_rows: dict[int, int] = field(default_factory=dict)  # rows a decoding step -> its steps (prefill out)
+    # each decoding step (prefill out): (rows, of them extras, seconds, of them the drafter's), for
+    # per-shape statistics (`mtpkit.eval.step_rows`: medians robust to the host's stalls)
+    step_times: list[tuple[int, int, float, float]] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -216,7 +218,8 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
     result = DecodeResult(tokens=[])      # last step's tensors (the bonus: the target's argmax)
     while len(result.tokens) < max_new_tokens:
         # a step stays in the target's attention window (EvaByte): a draft past its end is cut there
-        t0 = time.perf_counter()
+        t0 = step_started = time.perf_counter()
+        compiled_before, drafted_before = result.compile_seconds, result.draft_seconds
         proposed = drafter.propose(tokens)
         result.draft_seconds += time.perf_counter() - t0
         draft, restore = fit_window(target, proposed, cache.length + len(context) - 1)
@@ -252,8 +255,6 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         result.forward_tokens += c + N + M
         if result.target_calls == 1:
             result.prefill_tokens = c + N + M
-        else:
-            result.step_rows[c + N + M] = result.step_rows.get(c + N + M, 0) + 1
 
         if lazy:
             computed: dict[int, torch.Tensor] = {}
@@ -362,6 +363,10 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         if result.target_calls == 1:
             result.prefill_seconds = time.perf_counter() - started - result.compile_seconds
             result.prefill_draft_seconds = result.draft_seconds
+        else:
+            result.step_times.append((c + N + M, M, time.perf_counter() - step_started
+                                      - (result.compile_seconds - compiled_before),
+                                      result.draft_seconds - drafted_before))
         sent = len(result.tokens)  # what on_tokens has had
         tokens += new
         result.tokens += new
