@@ -315,9 +315,10 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
                        args.top_p, setup.eos, torch.Generator(device).manual_seed(args.seed))
             setup.host_reads[spec] = statistics.mean(steps[1:]) if len(steps) > 1 else None
     cache_len = round(statistics.mean(len(p["ids"]) for p in prompts)) + args.max_new_tokens // 2
+    longest = max(len(p["ids"]) for p in prompts) + args.max_new_tokens
     for setup in setups.values():  # each method's floor, timed after each of its decodes (`step_floors`)
         for spec, target in setup.targets.items():
-            setup.floors[spec] = RowsFloor(target, cache_len)
+            setup.floors[spec] = RowsFloor(target, cache_len, longest=longest)
             setup.floor_ms[spec] = []
     rounds, loads = {d: [] for d in setups}, []
     bar = tqdm(total=args.rounds * len(prompts) * len(pairs), desc="bench", unit="run")
@@ -334,7 +335,7 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
                     res = decode(setup.targets[spec], setup.drafters[spec], prompt["ids"], args.max_new_tokens,
                                  args.temperature, args.top_p, setup.eos, generator)
                     run = dataclasses.asdict(res)
-                    floors = decode_floors(setup.floors[spec], res)  # its steps' floors, in the same conditions
+                    floors = decode_floors(setup.floors[spec], res, len(prompt["ids"]))  # its floors, as its steps ran
                     if floors is not None:
                         setup.floor_ms[spec].append(floors)
                 runs[d][spec].append(run)

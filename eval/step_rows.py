@@ -25,7 +25,7 @@ import time
 import torch
 
 from mtpkit.eval.device_probe import sync
-from mtpkit.models.decoding.cache import new_cache
+from mtpkit.models.decoding.cache import SlabCache, new_cache
 from mtpkit.models.decoding.decoder import DecodeResult, Target
 from mtpkit.models.decoding.verify import attention_inputs
 from mtpkit.models.trees import tree_layout
@@ -35,22 +35,43 @@ class RowsFloor:
     """Plain forwards of R new rows after `cache_len` cached positions on `target`, timed one at a
     time on demand (the prompt is prefilled once; each forward's rows are dropped again)."""
 
-    def __init__(self, target: Target, cache_len: int, max_rows: int = 64):
-        self.target, self.cache_len = target, cache_len
+    def __init__(self, target: Target, cache_len: int, max_rows: int = 64, longest: int = 0):
+        """Prefilled for caches of up to `longest` positions (at least `cache_len`), set to `cache_len`
+        (`at` moves it)."""
+        self.target, self.max_rows = target, max_rows
         device = target.device
         generator = torch.Generator().manual_seed(0)
         vocab = target.embed.weight.shape[0]
-        past = torch.randint(0, vocab, (1, cache_len), generator=generator).to(device)
+        self.longest = max(cache_len, longest)
+        past = torch.randint(0, vocab, (1, self.longest), generator=generator).to(device)
         self.new = torch.randint(0, vocab, (1, max_rows), generator=generator).to(device)
-        # on EvaByte a step stays in its attention window (`draft_room`): rows past its end sit at its last position
-        room = target.adapter.draft_room(cache_len)
-        self.windowed = room is not None
-        self.positions = (cache_len + torch.arange(max_rows).clamp(max=max_rows if room is None else room))[None].to(device)
-        self.cache = new_cache(target.cache, target.config, cache_len + max_rows)
+        self.cache = new_cache(target.cache, target.config, self.longest + max_rows)
         with torch.no_grad():
             target.body(input_ids=past, past_key_values=self.cache.hf, use_cache=True)
-        self.cache.compact(cache_len, [])
+        self.cache.compact(self.longest, [])
         self.warm: set[tuple[int, int]] = set()
+        self.cache_len = -1
+        self.at(cache_len)
+
+    def at(self, cache_len: int) -> None:
+        """Forwards after `cache_len` cached positions from now on (at most `longest`): a step
+        attends to its whole cache, so a decode's floor is taken at its own cache length. The
+        positions past it keep the last forward's rows: values that time the same."""
+        if not 0 < cache_len <= self.longest:
+            raise ValueError(f"RowsFloor.at({cache_len}): the floor was prefilled for 1..{self.longest} positions")
+        if cache_len == self.cache_len:
+            return
+        if cache_len > self.cache.length and not isinstance(self.cache, SlabCache):  # a cache that cannot grow back
+            self.__init__(self.target, cache_len, self.max_rows, self.longest)
+            return
+        self.cache.compact(cache_len, [])
+        self.cache_len = cache_len
+        # on EvaByte a step stays in its attention window (`draft_room`): rows past its end sit at its last position
+        room = self.target.adapter.draft_room(cache_len)
+        self.windowed = room is not None
+        max_rows = self.max_rows
+        self.positions = (cache_len + torch.arange(max_rows).clamp(max=max_rows if room is None else room))[None].to(
+            self.target.device)
         self.masks: dict[int, torch.Tensor] = {}
 
     def mask(self, rows: int) -> torch.Tensor | None:
@@ -129,13 +150,15 @@ def step_mix(result: DecodeResult, shapes: dict[tuple[int, int], int], drafting:
     return total / sum(shapes.values())
 
 
-def decode_floors(floor: RowsFloor, result: DecodeResult) -> dict | None:
-    """One decode against its floors, timed now: `rows` (its shapes' plain forwards), `own` (gated as
-    its steps gate them; the plain ones without an adapter), `step` (its median steps) and `loop`
-    (the same less the drafter's time), in ms; None without a decoding step."""
+def decode_floors(floor: RowsFloor, result: DecodeResult, prompt_len: int) -> dict | None:
+    """One decode of a `prompt_len`-token prompt against its floors, timed now at its mean cache
+    length: `rows` (its shapes' plain forwards), `own` (gated as its steps gate them; the plain ones
+    without an adapter), `step` (its median steps) and `loop` (the same less the drafter's time), in
+    ms; None without a decoding step."""
     shapes = top_shapes(result)
     if not shapes:
         return None
+    floor.at(min(prompt_len + len(result.tokens) // 2, floor.longest))
     rows = floor.mix(shapes)
     own = floor.mix(shapes, gated=True) if floor.own and any(extras for _, extras in shapes) else rows
     return {"rows": rows, "own": own, "step": step_mix(result, shapes, drafting=True),

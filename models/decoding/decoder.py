@@ -7,7 +7,8 @@ or speculative sampling (`mtpkit.models.decoding.verify`); the cache is then rol
 path. The LM head runs only on the rows that acceptance and the drafter actually read, one
 call per request, each row once per step; on a packed LM head (`pack_linears`: a few rows cost
 about one) every row of a step of at most `PREFETCH_ROWS` rows is computed in the step's first
-call instead.
+call instead, and on a small one (a byte vocabulary) every row of a step of up to `PREFETCH_MACS`
+multiply-adds.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from mtpkit.models.packed_linear import PackedLinear, cpu_paths
 # weight dominates a large LM head's cost (SmolLM2's is 49152 x 576), so one call over up to 16
 # rows costs less than the ~3 one-row calls of a lazy greedy step
 PREFETCH_ROWS = 16
+# a step whose every row's logits cost at most this many multiply-adds gets them in one call: on a
+# small LM head (a byte vocabulary) that costs less than the Python of a call per row it saves
+PREFETCH_MACS = 1 << 22
 
 
 class Target:
@@ -62,15 +66,17 @@ class Target:
         self.cpu_paths = cpu_paths(self.device)
         self.uploads = 0  # host-to-device copies of the decoding loop (`upload`)
         self._layouts: dict[int, tuple] = {}
-        if prefetch_rows is None:
-            prefetch_rows = PREFETCH_ROWS if isinstance(self.lm_head, PackedLinear) else 0
-        self.prefetch_rows = prefetch_rows
         with torch.no_grad():  # refuse models whose logits are more than lm_head(hidden)
             ids = torch.tensor([[1, 2, 3]], device=self.embed.weight.device)
-            split = self.lm_head(self.body(input_ids=ids).last_hidden_state)
+            hidden = self.body(input_ids=ids).last_hidden_state
+            split = self.lm_head(hidden)
             if not torch.equal(split.float(), model(input_ids=ids).logits.float()):  # fp32 logits of a bf16 head
                 raise ValueError(f"{type(model).__name__}: logits are not lm_head(last hidden state) "
                                  "(softcapping or scaling?); the decoder cannot compute them lazily")
+        if prefetch_rows is None:
+            prefetch_rows = max(PREFETCH_ROWS if isinstance(self.lm_head, PackedLinear) else 0,
+                                PREFETCH_MACS // (split.shape[-1] * hidden.shape[-1]))  # a row's multiply-adds
+        self.prefetch_rows = prefetch_rows
 
     @property
     def device(self):

@@ -58,10 +58,14 @@ def tiny_case(request):
 
 # --------------------------------------------------------------------------- 4. greedy is lossless
 
+@pytest.mark.parametrize("prefetch", [None, 0])
 @pytest.mark.parametrize("drafter_name", DRAFTERS)
-def test_greedy_decode_equals_ar_generate(tiny_case, drafter_name):
-    """Greedy speculative decoding with any drafter reproduces plain AR generation token for token."""
+def test_greedy_decode_equals_ar_generate(tiny_case, drafter_name, prefetch):
+    """Greedy speculative decoding with any drafter reproduces plain AR generation token for token,
+    with a step's logits in one call (a small head's default) or row by row as acceptance asks."""
     target, tokenizer, prompts, refs = tiny_case
+    if prefetch is not None:
+        target = Target(target.model, prefetch_rows=prefetch)
     proposed = accepted = 0
     for ids, ref in zip(prompts, refs):
         result = decode(target, DRAFTERS[drafter_name](), ids, NEW_TOKENS, eos_token_ids=[tokenizer.eos_token_id])
@@ -75,6 +79,28 @@ def test_greedy_decode_equals_ar_generate(tiny_case, drafter_name):
         # only an accepted draft's logits and cache rows reach the output: without one, a wrong
         # verification would pass this test
         assert accepted > 0, "no draft token was accepted: verification was not exercised"
+
+
+def test_a_small_heads_logits_come_in_one_call_a_step(tiny_case):
+    """A step's rows on a small LM head (this one's every row costs less than `PREFETCH_MACS`) get
+    their logits in one call; row by row (prefetch_rows=0) a drafting step calls it per visited row."""
+    target, tokenizer, prompts, _ = tiny_case
+    calls = []
+
+    def counted(t):
+        head = t.lm_head
+        t.lm_head = lambda hidden: calls.append(len(hidden)) or head(hidden)
+        return t
+
+    drafter = PLDDrafter(PLDConfig(draft_len=4, ngram_max=2))
+    prompt = prompts[0] * 2  # repeated: its steps draft
+    assert target.prefetch_rows >= 64
+    one = decode(counted(Target(target.model)), drafter, prompt, 24)
+    assert len(calls) == one.target_calls and one.draft_nodes > 0
+    every = sum(calls)  # every row of every step
+    calls.clear()
+    rows = decode(counted(Target(target.model, prefetch_rows=0)), drafter, prompt, 24)
+    assert rows.tokens == one.tokens and set(calls[1:]) == {1} and sum(calls) < every  # the visited rows alone
 
 
 # --------------------------------------------------------------------------- 5. oracle drafter

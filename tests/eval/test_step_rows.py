@@ -23,6 +23,20 @@ def test_a_floor_forward_leaves_its_cache_as_it_found_it(tiny, cache):
     assert floor.warm == {(1, 0), (5, 0)}
 
 
+@pytest.mark.parametrize("cache", ["slab", "dynamic"])
+def test_a_floor_moves_to_a_decodes_cache_length_and_back(tiny, cache):
+    """A step attends to its whole cache: `at` sets the positions a floor's forwards attend to,
+    down and up again within what it prefilled, and refuses more."""
+    model, _ = tiny
+    floor = RowsFloor(Target(model, cache=cache), cache_len=30, longest=50)
+    for length in (30, 12, 50, 40):
+        floor.at(length)
+        assert floor.ms(3) > 0 and floor.cache.length == length and floor.cache.hf.get_seq_length() == length
+        assert floor.positions[0, 0] == length and floor.mask(3).shape[-1] == length + 3
+    with pytest.raises(ValueError, match="prefilled for 1..50"):
+        floor.at(51)
+
+
 def test_step_times_record_each_decoding_steps_shape_and_time(tiny):
     """The prefill step is left out: AR's decoding steps are 1 row each, whatever the prompt length;
     a drafter's steps are recorded with their own row counts, which add up to its decoding rows, and
@@ -40,7 +54,7 @@ def test_step_times_record_each_decoding_steps_shape_and_time(tiny):
     assert 0.9 * steps < pld.seconds - pld.prefill_seconds and steps <= pld.seconds - pld.prefill_seconds
     assert sum(d for _, _, _, d in pld.step_times) == pytest.approx(pld.draft_seconds - pld.prefill_draft_seconds)
     empty = DecodeResult(tokens=[1], target_calls=1, forward_tokens=20, prefill_tokens=20)
-    assert top_shapes(empty) == {} and decode_floors(RowsFloor(Target(model), cache_len=30), empty) is None
+    assert top_shapes(empty) == {} and decode_floors(RowsFloor(Target(model), cache_len=30), empty, 10) is None
 
 
 def test_the_floor_of_a_row_mix_weights_each_shapes_forward_by_its_steps(tiny, monkeypatch):
@@ -86,7 +100,8 @@ def test_a_gated_floor_gates_the_extra_rows_as_a_step_gates_its_masks(tiny):
     target.lm_head = head
     assert torch.equal(out[0][:2], out[1][:2]) and not torch.allclose(out[0][2:], out[1][2:])
     result = decode(target, drafter, list(range(10, 30)), 8)
-    floors = decode_floors(floor, result)
+    floors = decode_floors(floor, result, 20)
+    assert floor.cache_len == 20 + len(result.tokens) // 2  # at the decode's mean cache length
     assert {extras for _, extras in top_shapes(result)} != {0}  # its steps gate mask rows
     assert set(floors) == {"rows", "own", "step", "loop"} and floors["loop"] <= floors["step"]
 
