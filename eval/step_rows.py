@@ -36,34 +36,36 @@ class RowsFloor:
     time on demand (the prompt is prefilled once; each forward's rows are dropped again)."""
 
     def __init__(self, target: Target, cache_len: int, max_rows: int = 64, longest: int = 0):
-        """Prefilled for caches of up to `longest` positions (at least `cache_len`), set to `cache_len`
-        (`at` moves it)."""
+        """For caches of up to `longest` positions (at least `cache_len`), set to `cache_len` (`at`
+        moves it)."""
         self.target, self.max_rows = target, max_rows
-        device = target.device
         generator = torch.Generator().manual_seed(0)
         vocab = target.embed.weight.shape[0]
         self.longest = max(cache_len, longest)
-        past = torch.randint(0, vocab, (1, self.longest), generator=generator).to(device)
-        self.new = torch.randint(0, vocab, (1, max_rows), generator=generator).to(device)
-        self.cache = new_cache(target.cache, target.config, self.longest + max_rows)
-        with torch.no_grad():
-            target.body(input_ids=past, past_key_values=self.cache.hf, use_cache=True)
-        self.cache.compact(self.longest, [])
+        self.past = torch.randint(0, vocab, (1, self.longest), generator=generator).to(target.device)
+        self.new = torch.randint(0, vocab, (1, max_rows), generator=generator).to(target.device)
+        self.cache = None
         self.warm: set[tuple[int, int]] = set()
         self.cache_len = -1
         self.at(cache_len)
 
+    @torch.no_grad()
     def at(self, cache_len: int) -> None:
         """Forwards after `cache_len` cached positions from now on (at most `longest`): a step
-        attends to its whole cache, so a decode's floor is taken at its own cache length. The
-        positions past it keep the last forward's rows: values that time the same."""
+        attends to its whole cache, so a decode's floor is taken at its own cache length. A slab is
+        prefilled once for `longest` and moved down and up (the positions past it keep the last
+        forward's rows: values that time the same); another cache (one that cannot grow back, or
+        roll back across EvaByte's window end) is prefilled again at each length."""
         if not 0 < cache_len <= self.longest:
-            raise ValueError(f"RowsFloor.at({cache_len}): the floor was prefilled for 1..{self.longest} positions")
+            raise ValueError(f"RowsFloor.at({cache_len}): the floor was made for 1..{self.longest} positions")
         if cache_len == self.cache_len:
             return
-        if cache_len > self.cache.length and not isinstance(self.cache, SlabCache):  # a cache that cannot grow back
-            self.__init__(self.target, cache_len, self.max_rows, self.longest)
-            return
+        if self.cache is None or not isinstance(self.cache, SlabCache):
+            target = self.target
+            self.cache = new_cache(target.cache, target.config, self.longest + self.max_rows)
+            fill = self.longest if isinstance(self.cache, SlabCache) else cache_len
+            target.body(input_ids=self.past[:, :fill], past_key_values=self.cache.hf, use_cache=True)
+            self.cache.compact(fill, [])
         self.cache.compact(cache_len, [])
         self.cache_len = cache_len
         # on EvaByte a step stays in its attention window (`draft_room`): rows past its end sit at its last position

@@ -33,7 +33,7 @@ def test_a_floor_moves_to_a_decodes_cache_length_and_back(tiny, cache):
         floor.at(length)
         assert floor.ms(3) > 0 and floor.cache.length == length and floor.cache.hf.get_seq_length() == length
         assert floor.positions[0, 0] == length and floor.mask(3).shape[-1] == length + 3
-    with pytest.raises(ValueError, match="prefilled for 1..50"):
+    with pytest.raises(ValueError, match="made for 1..50"):
         floor.at(51)
 
 
