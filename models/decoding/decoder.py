@@ -7,8 +7,9 @@ or speculative sampling (`mtpkit.models.decoding.verify`); the cache is then rol
 path. The LM head runs only on the rows that acceptance and the drafter actually read, one
 call per request, each row once per step; on a packed LM head (`pack_linears`: a few rows cost
 about one) every row of a step of at most `PREFETCH_ROWS` rows is computed in the step's first
-call instead, and on a small one (a byte vocabulary) every row of a step of up to `PREFETCH_MACS`
-multiply-adds.
+call instead. On a small LM head (a byte vocabulary: a step's every row within `PREFETCH_MACS`
+multiply-adds) a CPU step takes the device path instead: every row's logits in one call, one
+argmax over them, one read.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from mtpkit.models.packed_linear import PackedLinear, cpu_paths
 # weight dominates a large LM head's cost (SmolLM2's is 49152 x 576), so one call over up to 16
 # rows costs less than the ~3 one-row calls of a lazy greedy step
 PREFETCH_ROWS = 16
-# a step whose every row's logits cost at most this many multiply-adds gets them in one call: on a
-# small LM head (a byte vocabulary) that costs less than the Python of a call per row it saves
+# a CPU step whose every row's logits cost at most this many multiply-adds takes the device path
+# (`Target.device_rows`): on a small LM head (a byte vocabulary) one call over every row and one
+# argmax read cost less than the Python of a call and a read per visited row
 PREFETCH_MACS = 1 << 22
 
 
@@ -45,7 +47,7 @@ class Target:
     (EvaByte) `lm_head` gives the next-byte head's logits only, the target's own distribution."""
 
     def __init__(self, model, gate=None, prefetch_rows: int | None = None, cache: str = "slab",
-                 step: str = "eager", max_len: int = 2048):
+                 step: str = "eager", max_len: int = 2048, device_rows: int | None = None):
         self.model = model
         self.cache = cache  # the decoding cache's kind (`mtpkit.models.decoding.cache.CACHES`)
         # how a decoding step runs (`mtpkit.models.decoding.step.STEPS`): eager (dynamic shapes on
@@ -74,9 +76,13 @@ class Target:
                 raise ValueError(f"{type(model).__name__}: logits are not lm_head(last hidden state) "
                                  "(softcapping or scaling?); the decoder cannot compute them lazily")
         if prefetch_rows is None:
-            prefetch_rows = max(PREFETCH_ROWS if isinstance(self.lm_head, PackedLinear) else 0,
-                                PREFETCH_MACS // (split.shape[-1] * hidden.shape[-1]))  # a row's multiply-adds
+            prefetch_rows = PREFETCH_ROWS if isinstance(self.lm_head, PackedLinear) else 0
         self.prefetch_rows = prefetch_rows
+        # on a CPU, steps of up to this many rows take the device path (`decode`); a test sets 0 to
+        # run the CPU's lazy path on a small head
+        if device_rows is None:
+            device_rows = PREFETCH_MACS // (split.shape[-1] * hidden.shape[-1])  # a row's multiply-adds
+        self.device_rows = device_rows
 
     @property
     def device(self):
@@ -197,8 +203,9 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
     """Generate up to `max_new_tokens` tokens after `prompt_ids` with `drafter` proposing.
 
     Two paths, one result: with `target.cpu_paths` (a CPU) the LM head runs lazily on the rows
-    acceptance and the drafter read, and greedy acceptance reads one argmax per visited node; on
-    a GPU every row goes through the LM head in one call and greedy acceptance is ONE host read
+    acceptance and the drafter read, and greedy acceptance reads one argmax per visited node
+    (but for a step within `target.device_rows`: a small head's, on the device path); on a GPU
+    every row goes through the LM head in one call and greedy acceptance is ONE host read
     per step (the argmax of every row with the draft tokens), so the device never waits on the
     host in between (tests/eval/test_host_syncs.py counts the reads); speculative sampling there is
     one read too (`sample_on_device`: deterministic drafts, chain or tree, and chains of drawn
@@ -262,7 +269,8 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         if result.target_calls == 1:
             result.prefill_tokens = c + N + M
 
-        if lazy:
+        lazy_step = lazy and len(hidden) > target.device_rows  # a small head's step: the device path
+        if lazy_step:
             computed: dict[int, torch.Tensor] = {}
 
             def logits(rows: list[int]) -> torch.Tensor:  # step rows (0 = root) -> [len(rows), V]
@@ -291,7 +299,7 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         signal = None  # the drafter's `step_signal`, when read with the decision
         decision = None  # the device's (last accepted node, bonus) of a sampled step
         device_tokens = host_tokens is None and N
-        if temperature <= 0 and not lazy:
+        if temperature <= 0 and not lazy_step:
             # the acceptance decision in one host read: the path and length accepted on the device
             # (a drafted tree), every row's argmax (the drafters read them), the device's draft tokens
             if argmaxes is None:
@@ -319,7 +327,7 @@ def decode(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
         elif temperature <= 0:
             step_tokens = [context[-1]] + (host_tokens if host_tokens is not None else draft.tokens.tolist())
             accepted, last, bonus = verify_greedy(lambda n: logits([n])[0], children, step_tokens)
-        elif not lazy and (draft.draft_probs is None or chain and isinstance(draft.draft_probs, torch.Tensor)):
+        elif not lazy_step and (draft.draft_probs is None or chain and isinstance(draft.draft_probs, torch.Tensor)):
             # speculative sampling on the device (`sample_on_device`): the draws, the accepted node and
             # the bonus made there, then read at once with the device's draft tokens (drawn drafts whose
             # rows are made lazily, as MTPC's, walk on the host: it asks only for the rows it visits)

@@ -58,14 +58,15 @@ def tiny_case(request):
 
 # --------------------------------------------------------------------------- 4. greedy is lossless
 
-@pytest.mark.parametrize("prefetch", [None, 0])
+@pytest.mark.parametrize("path", ["device", "lazy"])
 @pytest.mark.parametrize("drafter_name", DRAFTERS)
-def test_greedy_decode_equals_ar_generate(tiny_case, drafter_name, prefetch):
+def test_greedy_decode_equals_ar_generate(tiny_case, drafter_name, path):
     """Greedy speculative decoding with any drafter reproduces plain AR generation token for token,
-    with a step's logits in one call (a small head's default) or row by row as acceptance asks."""
+    on a small head's device path (every row's logits in one call, one argmax read) and on the
+    CPU's lazy path (logits row by row as acceptance asks, an argmax read per visited node)."""
     target, tokenizer, prompts, refs = tiny_case
-    if prefetch is not None:
-        target = Target(target.model, prefetch_rows=prefetch)
+    if path == "lazy":
+        target = Target(target.model, prefetch_rows=0, device_rows=0)
     proposed = accepted = 0
     for ids, ref in zip(prompts, refs):
         result = decode(target, DRAFTERS[drafter_name](), ids, NEW_TOKENS, eos_token_ids=[tokenizer.eos_token_id])
@@ -82,8 +83,9 @@ def test_greedy_decode_equals_ar_generate(tiny_case, drafter_name, prefetch):
 
 
 def test_a_small_heads_logits_come_in_one_call_a_step(tiny_case):
-    """A step's rows on a small LM head (this one's every row costs less than `PREFETCH_MACS`) get
-    their logits in one call; row by row (prefetch_rows=0) a drafting step calls it per visited row."""
+    """A CPU step's rows on a small LM head (this one's every row costs less than `PREFETCH_MACS`)
+    take the device path: their logits in one call; on the lazy path (device_rows=0) a drafting step
+    calls it per visited row."""
     target, tokenizer, prompts, _ = tiny_case
     calls = []
 
@@ -94,12 +96,12 @@ def test_a_small_heads_logits_come_in_one_call_a_step(tiny_case):
 
     drafter = PLDDrafter(PLDConfig(draft_len=4, ngram_max=2))
     prompt = prompts[0] * 2  # repeated: its steps draft
-    assert target.prefetch_rows >= 64
+    assert target.device_rows >= 64
     one = decode(counted(Target(target.model)), drafter, prompt, 24)
     assert len(calls) == one.target_calls and one.draft_nodes > 0
     every = sum(calls)  # every row of every step
     calls.clear()
-    rows = decode(counted(Target(target.model, prefetch_rows=0)), drafter, prompt, 24)
+    rows = decode(counted(Target(target.model, device_rows=0)), drafter, prompt, 24)
     assert rows.tokens == one.tokens and set(calls[1:]) == {1} and sum(calls) < every  # the visited rows alone
 
 
@@ -349,7 +351,7 @@ RUNS = 600
 
 
 @pytest.fixture(scope="module")
-def small_vocab_target():
+def small_vocab_model():
     """A seeded 2-layer Llama over 5 tokens, so the 2-token joint can be enumerated."""
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, initializer_range=0.5,
@@ -357,7 +359,14 @@ def small_vocab_target():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)  # a seed whose first two target distributions are spread out
         model = LlamaForCausalLM(config).eval()
-    return Target(model)
+    return model
+
+
+@pytest.fixture(scope="module", params=["device", "lazy"])
+def small_vocab_target(request, small_vocab_model):
+    """The 5-token model on a small head's device path (the draws made over every row at once) and
+    on the CPU's lazy path (rows drawn as the walk visits them, `verify_sampling`)."""
+    return Target(small_vocab_model, device_rows=0 if request.param == "lazy" else None)
 
 
 class SampledChainDrafter(Drafter):
@@ -478,8 +487,9 @@ def test_speculative_sampling_is_exact_under_top_p(small_vocab_target):
         "speculative sampling under top_p is not distributed as the nucleus-truncated target"
 
 
-def test_the_sampling_check_catches_a_wrong_acceptance_rule(small_vocab_target, monkeypatch):
-    """The same check rejects a decoder whose rule skips the residual distribution: it has power."""
+def test_the_sampling_check_catches_a_wrong_acceptance_rule(small_vocab_model, monkeypatch):
+    """The same check rejects a decoder whose rule skips the residual distribution: it has power
+    (the rule planted is the lazy path's, `verify_sampling`)."""
     monkeypatch.setattr(decoder_module, "verify_sampling", _wrong_verify_sampling)
-    assert not _sampling_matches(small_vocab_target, SampledChainDrafter(Q, seed=3), runs=500), \
+    assert not _sampling_matches(Target(small_vocab_model, device_rows=0), SampledChainDrafter(Q, seed=3), runs=500), \
         "the sampling check fails to flag a wrong acceptance rule"

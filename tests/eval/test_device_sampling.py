@@ -14,12 +14,12 @@ from mtpkit.models.decoding.host_reads import counting_reads
 from mtpkit.models.decoding.verify import accept_on_device, draw
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
 from tests.eval.test_decoder import (PROMPT, Q, FixedChainDrafter, SampledChainDrafter, SampledTreeDrafter,
-                                     _sampling_matches, small_vocab_target)  # noqa: F401 (a fixture)
+                                     _sampling_matches, small_vocab_model)  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
-def device_target(small_vocab_target):
-    target = Target(small_vocab_target.model)
+def device_target(small_vocab_model):
+    target = Target(small_vocab_model)
     target.cpu_paths = False  # the device path, on this CPU
     return target
 

@@ -117,10 +117,11 @@ def test_mtpc_reads_per_step(tiny_byte, arch, L):
 
 
 def test_the_counter_sees_a_read_per_accepted_node(tiny, monkeypatch):
-    """The CPU path reads one argmax per visited node: the same oracle run breaks the bound there,
-    so the counter does see reads that grow with acceptance."""
+    """The CPU's lazy path (a large head's; device_rows=0 here) reads one argmax per visited node:
+    the same oracle run breaks the bound there, so the counter does see reads that grow with
+    acceptance."""
     truth = decode(Target(tiny[0]), Drafter(), PROMPT, 40).tokens
-    target = Target(tiny[0])
+    target = Target(tiny[0], device_rows=0)
     assert target.cpu_paths
     steps, result = reads_per_step(target, OracleProbe(truth), PROMPT)
     assert result.tokens == truth

@@ -20,7 +20,7 @@ from mtpkit.models.pld import PLDConfig, PLDDrafter
 from mtpkit.models.probe import ProbeConfig, ProbeDrafter
 from tests.eval.test_decoder import (NEW_TOKENS, Q, SampledChainDrafter, SampledTreeDrafter, _exact_joint,
                                      _two_token_counts, _check_step_outputs, _decode_with_oracle,
-                                     small_vocab_target)  # noqa: F401
+                                     small_vocab_model)  # noqa: F401
 from tests.eval.test_gated_decoding import OracleGated
 from tests.eval.test_host_syncs import BOUNDS, UPLOADS, OracleProbe, reads_per_step
 from tests.eval.test_mtpc_decoding import OracleMTPC, make_head
@@ -102,10 +102,10 @@ def test_static_mtpc_equals_ar(tiny_byte):
 
 
 @pytest.mark.parametrize("temperature,drafter", [(1.0, "chain"), (0.7, "tree")])
-def test_static_speculative_sampling_is_exact(small_vocab_target, temperature, drafter):  # noqa: F811
+def test_static_speculative_sampling_is_exact(small_vocab_model, temperature, drafter):  # noqa: F811
     """Sampled chains (T = 1.0) and trees (T = 0.7) verified on the fixed step's rows: the 2-token
     output follows the target's joint."""
-    static = Target(small_vocab_target.model, step="static")
+    static = Target(small_vocab_model, step="static")
     sampled = SampledChainDrafter(Q, seed=1) if drafter == "chain" else SampledTreeDrafter(Q, fixed=3, seed=4)
     counts = _two_token_counts(static, sampled, 1000, temperature=temperature)
     assert chi2_pvalue(counts, _exact_joint(static, 1.0, temperature)) > 1e-3, f"{drafter}: not distributed as the target"
