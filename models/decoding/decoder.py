@@ -7,7 +7,7 @@ or speculative sampling (`mtpkit.models.decoding.verify`); the cache is then rol
 path. The LM head runs only on the rows that acceptance and the drafter actually read, one
 call per request, each row once per step; on a packed LM head (`pack_linears`: a few rows cost
 about one) every row of a step of at most `PREFETCH_ROWS` rows is computed in the step's first
-call instead. On a small LM head (a byte vocabulary: a step's every row within `PREFETCH_MACS`
+call instead. On a small LM head (a byte vocabulary: a step's every row within `DEVICE_PATH_MACS`
 multiply-adds) a CPU step takes the device path instead: every row's logits in one call, one
 argmax over them, one read.
 """
@@ -38,7 +38,7 @@ PREFETCH_ROWS = 16
 # a CPU step whose every row's logits cost at most this many multiply-adds takes the device path
 # (`Target.device_rows`): on a small LM head (a byte vocabulary) one call over every row and one
 # argmax read cost less than the Python of a call and a read per visited row
-PREFETCH_MACS = 1 << 22
+DEVICE_PATH_MACS = 1 << 22
 
 
 class Target:
@@ -81,7 +81,7 @@ class Target:
         # on a CPU, steps of up to this many rows take the device path (`decode`); a test sets 0 to
         # run the CPU's lazy path on a small head
         if device_rows is None:
-            device_rows = PREFETCH_MACS // (split.shape[-1] * hidden.shape[-1])  # a row's multiply-adds
+            device_rows = DEVICE_PATH_MACS // (split.shape[-1] * hidden.shape[-1])  # a row's multiply-adds
         self.device_rows = device_rows
 
     @property

@@ -83,7 +83,7 @@ def test_greedy_decode_equals_ar_generate(tiny_case, drafter_name, path):
 
 
 def test_a_small_heads_logits_come_in_one_call_a_step(tiny_case):
-    """A CPU step's rows on a small LM head (this one's every row costs less than `PREFETCH_MACS`)
+    """A CPU step's rows on a small LM head (this one's every row costs less than `DEVICE_PATH_MACS`)
     take the device path: their logits in one call; on the lazy path (device_rows=0) a drafting step
     calls it per visited row."""
     target, tokenizer, prompts, _ = tiny_case
