@@ -53,9 +53,8 @@ METRICS = ("prompts", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_ar", 
            "target_calls", "accept_counts", "speedup_over_tau", "mean_step_ms", "target_ms_per_call",
            "decoder_overhead_share", "draft_share", "mean_forward_tokens", "mean_draft_nodes", "mu_lat", "mu_acc",
            "max_tokens_per_s", "matches_ar", "mismatches", "near_tie_mismatches", "step_cost_vs_ar",
-           "step_cost_vs_ar_spread", "decode_step_ms", "decode_draft_ms", "decode_rows", "rows_ms", "own_rows_ms", "x_rows",
-           "x_loop",
-           "x_floor", "host_reads_step", "compile_s", "step")
+           "step_cost_vs_ar_spread", "decode_step_ms", "decode_draft_ms", "decode_rows", "rows_ms", "own_rows_ms",
+           "x_rows", "x_loop", "x_floor", "host_reads_step", "compile_s", "step")
 BLOCK = re.compile(r"<!-- table:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /table:(?P=name) -->", re.DOTALL)
 OPENING = re.compile(r"<!-- table:([\w.-]+) -->")
 
