@@ -335,7 +335,8 @@ def run_rounds(args, setups: dict[str, Setup], prompts: list[dict], device: torc
                     res = decode(setup.targets[spec], setup.drafters[spec], prompt["ids"], args.max_new_tokens,
                                  args.temperature, args.top_p, setup.eos, generator)
                     run = dataclasses.asdict(res)
-                    floors = decode_floors(setup.floors[spec], res, len(prompt["ids"]))  # its floors, as its steps ran
+                    # its floors, as its steps ran
+                    floors = decode_floors(setup.floors[spec], res, len(prompt["ids"]), setup.drafters[spec])
                     if floors is not None:
                         setup.floor_ms[spec].append(floors)
                 runs[d][spec].append(run)

@@ -10,6 +10,7 @@ import os
 import statistics
 
 from mtpkit.eval.report import dtype_table, summarise, timing_warnings, write_markdown, write_plot, write_tradeoff_plot
+from mtpkit.eval.step_rows import FLOOR_VERSION
 from mtpkit.models.atomic_write import write_atomic
 from mtpkit.models.decoding import step_plan
 from mtpkit.models.decoding.drafter import Drafter
@@ -25,7 +26,8 @@ def step_floors(results: dict, setup, args) -> None:
     median steps of its most frequent shapes over plain forwards of the same shapes on its target's
     kernels, timed after it in the run; the median over its decodes): `x_rows`, and `x_loop`, the
     same with the method's own model work taken out (the drafter's time from its steps, a gated
-    adapter's mask rows gated in the floor): what the loop adds. `x_floor` = its mean step over the
+    adapter's mask rows gated in the floor, the draft redone before each floor forward): what the
+    loop adds; `floor_version` names the statistic (`FLOOR_VERSION`). `x_floor` = its mean step over the
     device probe's step floor (--floor); `compile_s` of a compiling baseline."""
     for spec, r in results["methods"].items():
         if spec in setup.compile_s:
@@ -41,6 +43,7 @@ def step_floors(results: dict, setup, args) -> None:
         floors = setup.floor_ms[spec]
         r["rows_ms"] = round(statistics.median(f["rows"] for f in floors), 3)
         r["x_rows"] = round(statistics.median(f["step"] / f["rows"] for f in floors), 4)
+        r["floor_version"] = FLOOR_VERSION
         if r.get("decode_draft_ms") is not None:  # the drafter's time recorded: the loop's share, apart
             r["own_rows_ms"] = round(statistics.median(f["own"] for f in floors), 3)
             r["x_loop"] = round(statistics.median(f["loop"] / f["own"] for f in floors), 4)

@@ -10,7 +10,10 @@ steps are taken the same way: the median step of each of those row counts (`step
 sides are one statistic (a host stall that lengthens a few steps moves a mean, not a median).
 The bench divides the one by the other per decode (`x_rows`: 1.00 would be a loop with no
 overhead at all), and the same without the method's own model work (`x_loop`): the drafter's time
-taken out of its steps, and a gated adapter's mask rows gated in the floor (`RowsFloor.own`).
+taken out of its steps, a gated adapter's mask rows gated in the floor (`RowsFloor.own`), and each
+floor forward run right after the drafter's draft done again, untimed (`Drafter.redo_draft`): a
+step's forward follows its draft, whose reads (MTPC's circuit head, larger than the backbone) have
+evicted the backbone's weights from the caches, and the floor's forward then meets the same caches.
 It times the floor between its decodes, so the floor runs in the same conditions as the steps it
 divides (caches, clocks and load change over a run: a floor timed in a tight loop after the run is
 faster than the same forward inside it).
@@ -27,8 +30,14 @@ import torch
 from mtpkit.eval.device_probe import sync
 from mtpkit.models.decoding.cache import SlabCache, new_cache
 from mtpkit.models.decoding.decoder import DecodeResult, Target
+from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.decoding.verify import attention_inputs
 from mtpkit.models.trees import tree_layout
+
+FLOOR_VERSION = 2
+"""The statistic `x_rows` and `x_loop` are; bumped when it changes: results of another (older)
+version are rendered without them (eval/tables.py). 2: each shape's median step over the median of
+its forwards at the decode's own cache length, the draft redone before each (`decode_floors`)."""
 
 
 class RowsFloor:
@@ -108,23 +117,26 @@ class RowsFloor:
         target.lm_head(hidden)
         self.cache.compact(self.cache_len, [])  # drop the rows again
 
-    def mix(self, shapes: dict[tuple[int, int], int], gated: bool = False) -> float:
+    def mix(self, shapes: dict[tuple[int, int], int], gated: bool = False, before=None) -> float:
         """The floor of a decode's steps of `shapes` ((rows, extras) -> steps, as `top_shapes` picks
         them), in ms: each shape's forward, weighted by its steps; with `gated`, each shape's extra
-        rows gated (the adapter's own work in the floor)."""
-        return sum(n * self.ms(rows, extras if gated else 0) for (rows, extras), n in shapes.items()) / \
-            sum(shapes.values())
+        rows gated (the adapter's own work in the floor); `before` as `ms` takes it."""
+        return sum(n * self.ms(rows, extras if gated else 0, before=before) for (rows, extras), n in shapes.items()) \
+            / sum(shapes.values())
 
-    def ms(self, rows: int, gated: int = 0, repeats: int = 3) -> float:
+    def ms(self, rows: int, gated: int = 0, repeats: int = 3, before=None) -> float:
         """The median of `repeats` timed forwards of `rows` rows (`gated` of them gated), in ms (a
         shape's first call is a warm-up first): one forward's time wanders by several percent on a
-        CPU, more than the loop's overhead that the floor is there to show."""
+        CPU, more than the loop's overhead that the floor is there to show. `before`, a callable,
+        runs before each forward, untimed (a drafter's `redo_draft`)."""
         device = self.target.device
         if (rows, gated) not in self.warm:
             self.forward(rows, gated)
             self.warm.add((rows, gated))
         times = []
         for _ in range(repeats):
+            if before is not None:
+                before()
             sync(device)
             started = time.perf_counter()
             self.forward(rows, gated)
@@ -152,16 +164,24 @@ def step_mix(result: DecodeResult, shapes: dict[tuple[int, int], int], drafting:
     return total / sum(shapes.values())
 
 
-def decode_floors(floor: RowsFloor, result: DecodeResult, prompt_len: int) -> dict | None:
+def redoes_draft(drafter: Drafter | None) -> bool:
+    """Whether `drafter` has a draft to redo (`Drafter.redo_draft` overridden)."""
+    return drafter is not None and type(drafter).redo_draft is not Drafter.redo_draft
+
+
+def decode_floors(floor: RowsFloor, result: DecodeResult, prompt_len: int,
+                  drafter: Drafter | None = None) -> dict | None:
     """One decode of a `prompt_len`-token prompt against its floors, timed now at its mean cache
-    length: `rows` (its shapes' plain forwards), `own` (gated as its steps gate them; the plain ones
-    without an adapter), `step` (its median steps) and `loop` (the same less the drafter's time), in
-    ms; None without a decoding step."""
+    length: `rows` (its shapes' plain forwards), `own` (gated as its steps gate them, each after
+    `drafter`'s last draft redone; the plain ones for a method with neither), `step` (its median
+    steps) and `loop` (the same less the drafter's time), in ms; None without a decoding step."""
     shapes = top_shapes(result)
     if not shapes:
         return None
     floor.at(min(prompt_len + len(result.tokens) // 2, floor.longest))
     rows = floor.mix(shapes)
-    own = floor.mix(shapes, gated=True) if floor.own and any(extras for _, extras in shapes) else rows
+    gated = floor.own and any(extras for _, extras in shapes)
+    redo = redoes_draft(drafter)
+    own = floor.mix(shapes, gated=gated, before=drafter.redo_draft if redo else None) if gated or redo else rows
     return {"rows": rows, "own": own, "step": step_mix(result, shapes, drafting=True),
             "loop": step_mix(result, shapes)}

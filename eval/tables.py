@@ -41,6 +41,7 @@ from pathlib import Path
 
 from mtpkit.eval.report import markdown_table, timing_warnings
 from mtpkit.eval.report_plots import write_curve_plot
+from mtpkit.eval.step_rows import FLOOR_VERSION
 from mtpkit.models.atomic_write import write_atomic
 from mtpkit.models.process import run_script
 
@@ -54,7 +55,10 @@ METRICS = ("prompts", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_ar", 
            "decoder_overhead_share", "draft_share", "mean_forward_tokens", "mean_draft_nodes", "mu_lat", "mu_acc",
            "max_tokens_per_s", "matches_ar", "mismatches", "near_tie_mismatches", "step_cost_vs_ar",
            "step_cost_vs_ar_spread", "decode_step_ms", "decode_draft_ms", "decode_rows", "rows_ms", "own_rows_ms",
-           "x_rows", "x_loop", "x_floor", "host_reads_step", "compile_s", "step")
+           "x_rows", "x_loop", "x_floor", "floor_version", "host_reads_step", "compile_s", "step")
+# what a method's floor_version must be current for: the step-over-floor statistic of another
+# version is another number, not shown beside today's
+FLOOR_METRICS = ("rows_ms", "own_rows_ms", "x_rows", "x_loop")
 BLOCK = re.compile(r"<!-- table:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /table:(?P=name) -->", re.DOTALL)
 OPENING = re.compile(r"<!-- table:([\w.-]+) -->")
 
@@ -120,10 +124,19 @@ def curve_text(table: dict) -> str:
             + f"--command {shlex.quote(table['command'])}\npython eval/tables.py render\n```\n")
 
 
+def current_floors(table: dict) -> dict:
+    """`table` with its methods' FLOOR_METRICS dropped where they were measured as another
+    `FLOOR_VERSION` (or before versions were recorded)."""
+    methods = {spec: {k: v for k, v in r.items() if r.get("floor_version") == FLOOR_VERSION or k not in FLOOR_METRICS}
+               for spec, r in table["methods"].items()}
+    return {**table, "methods": methods}
+
+
 def table_text(table: dict) -> str:
     """The inside of a table block: the tables, then how to measure them again."""
     if table.get("kind") == "curve":
         return curve_text(table)
+    table = current_floors(table)
     sampling = table["config"].get("temperature", 0) > 0
     collect_cmd = (f"python eval/tables.py collect {table['name']} {shlex.quote(table['results'])} "
                    f"--command {shlex.quote(table['command'])}")

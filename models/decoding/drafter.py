@@ -144,6 +144,12 @@ class Drafter:
     def observe(self, step: StepOutput) -> None:
         """Read the outputs of the step just verified."""
 
+    def redo_draft(self) -> None:
+        """The model work of the last draft done again, nothing kept (no state, no draw changes):
+        the bench runs it before each floor forward, so the floor meets the caches a step's forward
+        meets after its draft (a head larger than the backbone evicts the backbone's weights). None
+        by default: a drafter whose draft is no model work, or is timed with the step's rows."""
+
     def step_signal(self, hidden: torch.Tensor, logits: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor | None:
         """Numbers [F] the drafter wants on the host after this step, computed on the device from
         the deepest accepted node's row before the decoder's one read of the acceptance decision,

@@ -207,6 +207,7 @@ class MTPCDrafter(Drafter):
         self.room = self.model.adapter.draft_room  # draft nodes allowed after a root (EvaByte: up to its window's end)
         self.window_end = False  # the step in flight is a root with no room to draft: its bonus stays
         self.cached = 0        # positions the draft layers have processed
+        self.last = None       # (tokens, their length, e, given) of the last draft with a state (`redo_draft`)
         self.draft_depth = 0   # depth of the draft in flight
         if self.tree is not None:
             if self.levels_device != self.device:  # each scheduled tree's levels, built once: a switch is a lookup
@@ -230,6 +231,7 @@ class MTPCDrafter(Drafter):
                 return Draft.empty()
             n = m + room
         self.draft_depth = n - m
+        self.last = (tokens, len(tokens), self.e, self.given)
         # positions of the circuit used: ff/cp/hmm cut to the marginal of the first n positions;
         # btree and cirkit circuits keep their window and the draft is its first n bytes (a
         # prefix of a window drawn from q is a draw from q's marginal: exact as well)
@@ -247,6 +249,22 @@ class MTPCDrafter(Drafter):
                          draft_probs=LazyConditionals(log_conditional, m))
         window = mode(self._head_params(span), evidence, observed)[0, m:n]  # stays on the device: the verifier reads it
         return Draft(tokens=window, parents=list(range(len(window))))
+
+    def redo_draft(self) -> None:
+        """The last draft with a state proposed again and dropped: every attribute and the draws'
+        generator as they were."""
+        if self.last is None:
+            return
+        tokens, length, e, given = self.last
+        saved, draws = dict(self.__dict__), self.gen.get_state()
+        self.e, self.given = e, given
+        try:
+            with torch.no_grad():
+                self.propose(tokens[:length])
+        finally:
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            self.gen.set_state(draws)
 
     def _head_params(self, span: int):
         """The whole head's circuit of e over its first `span` positions (greedy drafts), its input

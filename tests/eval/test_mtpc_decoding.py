@@ -218,3 +218,45 @@ def test_greedy_chain_drafts_read_the_head_in_the_units_precision(tiny_byte, mon
     copies = head.head.__dict__.get("_decode_copies", {})
     dtype = {"int8": torch.int8, "bfloat16": torch.bfloat16}.get(units)
     assert {name for name, d in copies if d == dtype} == (set() if dtype is None else {"unembed", "inner"})
+
+
+class RedoingMTPC(MTPCDrafter):
+    """Its last draft redone after every step, as the bench's floor redoes it between decodes:
+    every attribute must be the very object it was, and the decode the same token for token."""
+
+    def observe(self, step):
+        super().observe(step)
+        before, draws = dict(self.__dict__), self.gen.get_state()
+        self.redo_draft()
+        assert self.__dict__.keys() == before.keys() and all(self.__dict__[k] is v for k, v in before.items())
+        assert torch.equal(self.gen.get_state(), draws)
+
+
+@pytest.mark.parametrize("arch,L,T,tree", [("btree", 0, 0.0, None), ("hmm", 1, 0.0, "chain4"), ("btree", 0, 1.0, None),
+                                           ("cp", 1, 0.7, None), ("btree", 0, 0.7, "[[0],[1],[0,0],[1,0],[0,0,0]]")])
+def test_redoing_a_draft_changes_nothing_but_does_the_heads_work(tiny_byte, monkeypatch, arch, L, T, tree):
+    """`redo_draft` proposes again from the last draft's state and drops it: greedy and sampled
+    decodes (T = 1.0 and 0.7: the draws' generator restored) equal the plain drafter's, while a
+    draft from a state is proposed once more per step."""
+    backbone, _ = tiny_byte
+    head = make_head(backbone, arch, L, n=4, seed=2)
+    target = Target(backbone)
+    prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    drafts = []
+    propose = MTPCDrafter.propose
+
+    def counted(self, tokens):
+        drafts.append(self.e is not None)
+        return propose(self, tokens)
+    monkeypatch.setattr(MTPCDrafter, "propose", counted)
+    options = {"seed": 5, **({"tree": tree} if tree else {})}
+    runs = {}
+    for kind in (MTPCDrafter, RedoingMTPC):
+        drafts.clear()
+        res = decode(target, kind(MTPCDraftConfig(**options), model=head), prompt, 40, temperature=T,
+                     generator=torch.Generator().manual_seed(7))
+        runs[kind] = res, sum(drafts)
+    (plain, plain_drafts), (redone, redone_drafts) = runs[MTPCDrafter], runs[RedoingMTPC]
+    assert redone.tokens == plain.tokens and redone.accept_counts == plain.accept_counts
+    assert plain.draft_nodes > 0 and sum(plain.accept_counts) > 0
+    assert redone_drafts > plain_drafts > 0

@@ -4,7 +4,7 @@ between decodes on the method's own target, against the median steps of the same
 import pytest
 import torch
 
-from mtpkit.eval.step_rows import RowsFloor, decode_floors, step_mix, top_shapes
+from mtpkit.eval.step_rows import RowsFloor, decode_floors, redoes_draft, step_mix, top_shapes
 from mtpkit.models.decoding.decoder import DecodeResult, Target, decode
 from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.pld import PLDConfig, PLDDrafter
@@ -60,7 +60,7 @@ def test_step_times_record_each_decoding_steps_shape_and_time(tiny):
 def test_the_floor_of_a_row_mix_weights_each_shapes_forward_by_its_steps(tiny, monkeypatch):
     model, _ = tiny
     floor = RowsFloor(Target(model), cache_len=30)
-    monkeypatch.setattr(floor, "ms", lambda rows, gated=0: 10.0 * rows + gated)  # a forward's time, known
+    monkeypatch.setattr(floor, "ms", lambda rows, gated=0, before=None: 10.0 * rows + gated)  # a known forward time
     assert floor.mix({(1, 0): 3, (4, 1): 1}) == pytest.approx((3 * 10 + 40) / 4)  # not the forward of 2 rows
     assert floor.mix({(1, 0): 3, (4, 1): 1}, gated=True) == pytest.approx((3 * 10 + 41) / 4)
     # beyond the `most` most frequent shapes the rare ones are left out
@@ -104,6 +104,34 @@ def test_a_gated_floor_gates_the_extra_rows_as_a_step_gates_its_masks(tiny):
     assert floor.cache_len == 20 + len(result.tokens) // 2  # at the decode's mean cache length
     assert {extras for _, extras in top_shapes(result)} != {0}  # its steps gate mask rows
     assert set(floors) == {"rows", "own", "step", "loop"} and floors["loop"] <= floors["step"]
+
+
+def test_a_drafters_draft_is_redone_before_each_of_its_own_floor_forwards(tiny_byte, monkeypatch):
+    """A drafter with a draft to redo (MTPC) gets it redone, untimed, before every `own` floor
+    forward (the caches its step's forward meets); one without (AR) gets its plain rows as `own`."""
+    from tests.eval.test_mtpc_decoding import make_head
+    from mtpkit.models.mtpc.drafter import MTPCDraftConfig, MTPCDrafter
+
+    backbone, _ = tiny_byte
+    target, prompt = Target(backbone), list(range(40, 60))
+    drafter = MTPCDrafter(MTPCDraftConfig(), model=make_head(backbone, "btree", 0, n=4, seed=2))
+    assert redoes_draft(drafter) and not redoes_draft(Drafter()) and not redoes_draft(None)
+    result = decode(target, drafter, prompt, 24)
+    events = []
+    forward = RowsFloor.forward
+    monkeypatch.setattr(RowsFloor, "forward",
+                        lambda self, rows, gated=0: events.append("forward") or forward(self, rows, gated))
+    monkeypatch.setattr(drafter, "redo_draft", lambda: events.append("redo"))
+    floor = RowsFloor(target, cache_len=20, longest=60)
+    floors = decode_floors(floor, result, len(prompt), drafter)
+    redone = [i for i, e in enumerate(events) if e == "redo"]
+    assert redone and all(events[i + 1] == "forward" for i in redone)
+    assert len(redone) == 3 * len(top_shapes(result))  # each timed forward of each shape
+    assert set(floors) == {"rows", "own", "step", "loop"}
+    events.clear()
+    ar = decode(target, Drafter(), prompt, 8)
+    floors = decode_floors(floor, ar, len(prompt), Drafter())
+    assert "redo" not in events and floors["own"] == floors["rows"]
 
 
 def test_a_floor_of_several_rows_is_a_causal_chain_on_the_additive_mask(tiny):

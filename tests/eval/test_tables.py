@@ -68,6 +68,22 @@ def test_render_writes_the_results_numbers_and_the_command(repo, bench_results):
     assert tables.main(["--root", str(repo), "render", "--check"]) == 0  # rendering twice changes nothing
 
 
+def test_a_step_floor_of_another_version_is_not_rendered(repo):
+    """x rows of another statistic (an older `FLOOR_VERSION`, or none recorded) are another
+    number: their columns leave the table; the current version's stay."""
+    source = repo / "docs" / "results" / "tiny.json"
+    kept = json.loads(source.read_text())
+    assert kept["methods"]["ar"]["floor_version"] == tables.FLOOR_VERSION
+    assert tables.main(["--root", str(repo), "render"]) == 0
+    assert "| x rows |" in (repo / "README.md").read_text()
+    for method in kept["methods"].values():
+        method["floor_version"] = tables.FLOOR_VERSION - 1
+    source.write_text(json.dumps(kept))
+    assert tables.main(["--root", str(repo), "render"]) == 0
+    text = (repo / "README.md").read_text()
+    assert "| x rows |" not in text and "x rows, own work apart" not in text and "| host reads |" in text
+
+
 def test_check_names_a_hand_edited_number(repo, bench_results, capsys):
     tables.main(["--root", str(repo), "render"])
     page = repo / "docs" / "page.md"
