@@ -147,8 +147,9 @@ class Drafter:
     def redo_draft(self) -> None:
         """The model work of the last draft done again, nothing kept (no state, no draw changes):
         the bench runs it before each floor forward, so the floor meets the caches a step's forward
-        meets after its draft (a head larger than the backbone evicts the backbone's weights). None
-        by default: a drafter whose draft is no model work, or is timed with the step's rows."""
+        meets after its draft (a head larger than the backbone evicts the backbone's weights). Nothing
+        by default: a drafter whose draft is no model work of its own, or runs inside the target's
+        forward (gated LoRA's mask rows: `RowsFloor.own` gates them)."""
 
     def step_signal(self, hidden: torch.Tensor, logits: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor | None:
         """Numbers [F] the drafter wants on the host after this step, computed on the device from
