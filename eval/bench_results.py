@@ -9,8 +9,8 @@ import json
 import os
 import statistics
 
-from mtpkit.eval.report import dtype_table, summarise, timing_warnings, write_markdown, write_plot, write_tradeoff_plot
-from mtpkit.eval.step_rows import FLOOR_VERSION
+from mtpkit.eval.report import (FLOOR_VERSION, dtype_table, summarise, timing_warnings, write_markdown, write_plot,
+                                write_tradeoff_plot)
 from mtpkit.models.atomic_write import write_atomic
 from mtpkit.models.decoding import step_plan
 from mtpkit.models.decoding.drafter import Drafter

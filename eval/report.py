@@ -19,11 +19,16 @@ from mtpkit.eval.report_markdown import (baseline_line, dtype_table, fmt, markdo
 from mtpkit.eval.report_plots import write_plot, write_tradeoff_plot, write_training_plot
 from mtpkit.eval.report_warnings import BASELINES, BUSY_MARGIN, MARK, SPREAD_LIMIT, timing_warnings
 
-__all__ = ["BASELINES", "BUSY_MARGIN", "MARK", "SPREAD_LIMIT", "TIE_TOLERANCE", "TIMING", "baseline_line",
-           "dtype_table", "explain_mismatch", "first_difference", "fmt", "markdown_table", "match_cell", "ratio_cell",
-           "summarise", "table_problem", "timing_warnings", "verdict_lines", "write_markdown", "write_plot",
+__all__ = ["BASELINES", "BUSY_MARGIN", "FLOOR_VERSION", "MARK", "SPREAD_LIMIT", "TIE_TOLERANCE", "TIMING",
+           "baseline_line", "dtype_table", "explain_mismatch", "first_difference", "fmt", "markdown_table", "match_cell",
+           "ratio_cell", "summarise", "table_problem", "timing_warnings", "verdict_lines", "write_markdown", "write_plot",
            "write_tradeoff_plot", "write_training_plot"]
 
+FLOOR_VERSION = 2
+"""The statistic `x_rows` and `x_loop` are (`mtpkit.eval.step_rows`); bumped when it changes:
+results of another (older) version are rendered without them (eval/tables.py, which reads this
+constant here, not from the runtime's modules). 2: each shape's median step over the median of its
+forwards at the decode's own cache length, the draft redone before each (`decode_floors`)."""
 TIE_TOLERANCE = 1e-4  # top-2 target logits closer than this: a genuine floating-point near-tie
 # per-round timings reported as their median over the rounds
 TIMING = ("seconds", "tokens_per_s", "mean_step_ms", "target_ms_per_call", "decoder_overhead_share", "draft_share",

@@ -16,7 +16,7 @@ step's forward follows its draft, whose reads (MTPC's circuit head, larger than 
 evicted the backbone's weights from the caches, and the floor's forward then meets the same caches.
 It times the floor between its decodes, so the floor runs in the same conditions as the steps it
 divides (caches, clocks and load change over a run: a floor timed in a tight loop after the run is
-faster than the same forward inside it).
+faster than the same forward inside it). `mtpkit.eval.report.FLOOR_VERSION` names this statistic.
 """
 
 from __future__ import annotations
@@ -33,11 +33,6 @@ from mtpkit.models.decoding.decoder import DecodeResult, Target
 from mtpkit.models.decoding.drafter import Drafter
 from mtpkit.models.decoding.verify import attention_inputs
 from mtpkit.models.trees import tree_layout
-
-FLOOR_VERSION = 2
-"""The statistic `x_rows` and `x_loop` are; bumped when it changes: results of another (older)
-version are rendered without them (eval/tables.py). 2: each shape's median step over the median of
-its forwards at the decode's own cache length, the draft redone before each (`decode_floors`)."""
 
 
 class RowsFloor:

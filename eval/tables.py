@@ -39,9 +39,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from mtpkit.eval.report import markdown_table, timing_warnings
+from mtpkit.eval.report import FLOOR_VERSION, markdown_table, timing_warnings
 from mtpkit.eval.report_plots import write_curve_plot
-from mtpkit.eval.step_rows import FLOOR_VERSION
 from mtpkit.models.atomic_write import write_atomic
 from mtpkit.models.process import run_script
 
